@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata as _md
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -24,6 +25,9 @@ def _version(dist: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    """HEAD of this checkout; JFA_COMMIT names it where the tree travelled without .git (the GPU host)."""
+    if os.environ.get("JFA_COMMIT"):
+        return os.environ["JFA_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10)

@@ -1,0 +1,41 @@
+# One entry point. `make lab` and `make test` are the README's two commands: each builds the local
+# virtual environment .venv (once) and then opens the workbench or runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines take the CPU build of torch (pip finds it on disk in our CI image); a machine whose
+# python3 already has a CUDA torch >= 2.11 keeps it (the venv then sees the system site packages).
+TORCH_SPEC ?= torch==2.13.0
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+RESULTS ?= results
+
+.PHONY: lab test gpu-test bench check clean
+
+$(VENV)/.installed: pyproject.toml
+	@if $(PYTHON) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+	  echo "keeping the CUDA torch of $(PYTHON)"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	fi
+	$(PY) -m pip install -q -e ".[notebook,test]"
+	touch $@
+
+lab: $(VENV)/.installed
+	$(PY) -m jupyter lab $(LAB_ARGS) notebooks/00_start_here.ipynb
+
+test: $(VENV)/.installed
+	$(PY) -m pytest --nbval tests notebooks $(PYTEST_ARGS)
+
+check: $(VENV)/.installed
+	$(PY) -m jfa check
+
+# GPU host: no venv (no network there); the TLX bundle puts triton 3.8 + TLX ahead of the host's packages.
+gpu-test:
+	bash scripts/gpu_test.sh $(RESULTS)
+
+bench:
+	bash scripts/bench_gpu.sh $(RESULTS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

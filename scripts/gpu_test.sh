@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU host: run every `gpu`-marked test with triton 3.8 + TLX and record the outcome as JSON.
+#   usage (repository root, .gpu-bundle carried):  bash scripts/gpu_test.sh [DEST_DIR] [extra pytest args]
+# Writes DEST_DIR/gpu-tests-<date>.json (env block: GPU, driver, CUDA, torch, triton, TLX, commit, date).
+set -uo pipefail
+dest=${1:-results}; shift || true
+[ -f .gpu-bundle/activate.sh ] || { echo "no .gpu-bundle here: build it with 'bash ../shared/gpu/make-bundle.sh' and carry it"; exit 2; }
+source .gpu-bundle/activate.sh
+export PYTHONUNBUFFERED=1
+mkdir -p "$dest"
+stamp=$(date -u +%Y%m%dT%H%M%SZ)
+python3 -m jfa check
+python3 -m pytest -m gpu tests -p no:cacheprovider -q --results-json "$dest/gpu-tests-$stamp.json" "$@"
