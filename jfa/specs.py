@@ -65,3 +65,87 @@ def tflops(flops: float, ms: float) -> float:
 # ---- ceilings measured on the H200 (shared/design/anchors-h200.md) ----------------------------
 H200_BF16_GEMM_TFLOPS = 790.0
 H200_COPY_TBPS = 4.3
+
+
+# ==== benchmark suites and providers (owned by jfa/bench.py; suites are data) ==================
+# A case names its shape only; jfa/bench.py turns it into tensors (lengths from
+# jfa.jagged.gem_lengths with BENCH_SEED). Kinds:
+#   "jagged"       self- or cross-attention on packed sequences (kv_len fixed => cross-attention)
+#   "pma"          one shared query of q_len rows against B jagged KV sequences (broadcast-Q)
+#   "dense"        B equal sequences of max_len (LLM-style), through each provider's varlen/dense API
+#   "block_sparse" jagged self-attention visiting a random fraction `density` of KV blocks
+#   "fp8"          jagged self-attention with E4M3 inputs, forward only
+#   "block"        block attention: each 64-token block of a sequence attends only to itself
+BENCH_WARMUP_MS = 25  # triton.testing.do_bench anchors (shared/design/anchors-h200.md)
+BENCH_REP_MS = 100
+BENCH_SEED = 0
+BENCH_PASSES = ("fwd", "bwd", "fwd+bwd")
+# Rotate input sets until they span several L2s (50 MiB on H200) so no timed call is served from
+# cache left by the previous one; capped because big cases already overflow L2 with one set.
+BENCH_ROTATION_BYTES = 4 * 50 * 2**20
+BENCH_MAX_INPUT_SETS = 4
+BENCH_CHECK_MAX_ROWS = 16384  # reference check on a subset of sequences holding at most this many rows
+BLOCK_SPARSE_BLOCK = 128  # block-sparse selection granularity (rows and columns)
+FP8_BENCH_DTYPE = "float8_e4m3fn"
+
+
+def _case(suite: str, name: str, kind: str, *, batch: int, heads: int, head_dim: int, max_len: int,
+          sparsity: float = 1.0, kv_len: int | None = None, q_len: int | None = None,
+          density: float | None = None, dtype: str = "bfloat16") -> dict:
+    return dict(suite=suite, case=name, kind=kind, batch=batch, heads=heads, head_dim=head_dim,
+                max_len=max_len, sparsity=sparsity, kv_len=kv_len, q_len=q_len, density=density,
+                dtype=dtype)
+
+
+def _gem_cases(suite: str, kind: str, *, batch: int, heads: int, head_dim: int, max_lens, sparsities,
+               **extra) -> tuple[dict, ...]:
+    return tuple(_case(suite, f"L={L},s={s}", kind, batch=batch, heads=heads, head_dim=head_dim,
+                       max_len=L, sparsity=s, **extra) for L in max_lens for s in sparsities)
+
+
+GEM_BATCH, GEM_HEADS, GEM_HEAD_DIM = 1152, 4, 128
+CROSS_KV_LEN = 256
+PMA_KV_MAX_LEN = 2048  # KV lengths U[1, 2048]: gem_lengths with s = 0.5
+BLOCK_SPARSE_DENSITIES = (0.25, 0.5, 0.75, 1.0)
+
+BENCH_SUITES: dict[str, tuple[dict, ...]] = {
+    "gem": _gem_cases("gem", "jagged", batch=GEM_BATCH, heads=GEM_HEADS, head_dim=GEM_HEAD_DIM,
+                      max_lens=(256, 512, 1024, 2048), sparsities=(0.5, 1.0)),
+    "cross": _gem_cases("cross", "jagged", batch=GEM_BATCH, heads=GEM_HEADS, head_dim=GEM_HEAD_DIM,
+                        max_lens=(256, 512, 1024, 2048), sparsities=(0.5, 1.0), kv_len=CROSS_KV_LEN),
+    "pma": tuple(_case("pma", f"q={q},kv<={PMA_KV_MAX_LEN}", "pma", batch=GEM_BATCH, heads=GEM_HEADS,
+                       head_dim=GEM_HEAD_DIM, max_len=PMA_KV_MAX_LEN, sparsity=0.5, q_len=q)
+                 for q in (64, 256)),
+    "dense": tuple(_case("dense", f"B=4,H=32,N=4096,D={d}", "dense", batch=4, heads=32, head_dim=d,
+                         max_len=4096) for d in (128, 64)),
+    "block_sparse": tuple(_case("block_sparse", f"L=2048,density={p}", "block_sparse", batch=GEM_BATCH,
+                                heads=GEM_HEADS, head_dim=GEM_HEAD_DIM, max_len=2048, density=p)
+                          for p in BLOCK_SPARSE_DENSITIES),
+    "fp8": _gem_cases("fp8", "fp8", batch=GEM_BATCH, heads=GEM_HEADS, head_dim=GEM_HEAD_DIM,
+                      max_lens=(1024, 2048), sparsities=(0.5, 1.0), dtype=FP8_BENCH_DTYPE),
+    "block": tuple(_case("block", f"L={L},s=0.5,D={d}", "block", batch=GEM_BATCH, heads=GEM_HEADS,
+                         head_dim=d, max_len=L, sparsity=0.5)
+                   for L in (1024, 2048, 4096) for d in (64, 128)),
+}
+
+# `--quick`: the same kinds at toy sizes, for smoke runs (seconds, any GPU).
+BENCH_QUICK_SUITES: dict[str, tuple[dict, ...]] = {
+    "gem": _gem_cases("gem", "jagged", batch=8, heads=2, head_dim=64, max_lens=(128,),
+                      sparsities=(0.5, 1.0)),
+    "cross": _gem_cases("cross", "jagged", batch=8, heads=2, head_dim=64, max_lens=(128,),
+                        sparsities=(0.5,), kv_len=64),
+    "pma": (_case("pma", "q=16,kv<=128", "pma", batch=8, heads=2, head_dim=64, max_len=128,
+                  sparsity=0.5, q_len=16),),
+    "dense": (_case("dense", "B=2,H=2,N=256,D=64", "dense", batch=2, heads=2, head_dim=64,
+                    max_len=256),),
+    "block_sparse": (_case("block_sparse", "L=512,density=0.5", "block_sparse", batch=4, heads=2,
+                           head_dim=64, max_len=512, density=0.5),),
+    "fp8": _gem_cases("fp8", "fp8", batch=8, heads=2, head_dim=64, max_lens=(128,), sparsities=(0.5,),
+                      dtype=FP8_BENCH_DTYPE),
+    "block": (_case("block", "L=256,s=0.5,D=64", "block", batch=8, heads=2, head_dim=64, max_len=256,
+                    sparsity=0.5),),
+}
+
+# Providers, in report order. "jfa" is ours; the rest are peers measured on the same inputs.
+BENCH_PROVIDERS = ("jfa", "fa2", "fa3", "fa4", "flex", "sdpa_cudnn", "sdpa_flash")
+BENCH_BASELINE_PROVIDER = "jfa"  # speedups in the report are jfa's time over each peer's
