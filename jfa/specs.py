@@ -149,3 +149,14 @@ BENCH_QUICK_SUITES: dict[str, tuple[dict, ...]] = {
 # Providers, in report order. "jfa" is ours; the rest are peers measured on the same inputs.
 BENCH_PROVIDERS = ("jfa", "fa2", "fa3", "fa4", "flex", "sdpa_cudnn", "sdpa_flash")
 BENCH_BASELINE_PROVIDER = "jfa"  # speedups in the report are jfa's time over each peer's
+
+# ---- compile-only inspection (jfa/inspect.py, tutorials) --------------------------------------
+INSPECT_TARGETS = {"sm_90": 90, "sm_100": 100}  # target name -> CUDA compute capability
+WARP_SIZE = 32
+WARPGROUP_WARPS = 4  # wgmma and setmaxnreg act on whole warpgroups of 4 warps
+SETMAXNREG_MAX = 256  # per-thread register ceiling that setmaxnreg can grant
+TMEM_COLUMNS = 512  # Blackwell tensor memory per SM: 128 lanes x 512 columns of 32 bits
+
+# ---- references, validation, ops (jfa/reference.py, jfa/jagged.py, jfa/ops.py) ----------------
+FP8_BLOCK_ROWS = 128  # per-block FP8: one scale per 128 rows of a head (one Hopper Q/KV tile)
+TMA_ALIGN_BYTES = 16  # TMA needs 16-byte aligned base addresses: kernel inputs must start aligned

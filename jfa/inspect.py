@@ -1,0 +1,274 @@
+"""Compile-only views of TLX kernels: what a kernel asks of the machine, without a GPU.
+
+A warp-specialized kernel's performance is decided by choices that are invisible in its Python
+source once it runs: how many warps each role got, how many registers each role may hold, how much
+shared memory the rings take, whether the MMAs really became `wgmma` (Hopper) or `tcgen05.mma`
+into tensor memory (Blackwell), how many TMA copies and mbarrier operations the pipeline issues.
+All of that is fixed at compile time, so it can be read on a laptop: compile for a named target
+with `triton.compile(..., target=GPUTarget("cuda", 90 | 100, 32))` and read the artifacts.
+
+Where each fact comes from:
+
+- roles and warps: the TTGIR `ttg.warp_specialize` op. Its `default` region runs on the kernel's
+  `num_warps` warps; each `partitionN(...) num_warps(K)` region is one more role.
+- registers: the same op's `requestedRegisters` (what `tlx.async_task(registers=...)` asked for)
+  and `actualRegisters` (what every role, the default one included, will run with). Triton adds
+  `actualRegisters` in its warp-group allocation pass, which runs inside the LLVM lowering, so we
+  rerun that one pass on the final TTGIR. The PTX shows the outcome as `setmaxnreg.inc/dec N`,
+  clamped to the hardware's per-thread maximum.
+- shared memory: the compiler's `metadata.shared` (bytes, rings and barriers included).
+- tensor memory (sm_100): `metadata.tmem_size`, the columns of the 512 an SM has.
+- instruction mix: static counts of PTX mnemonics (each appearance in the code, not executions).
+
+Compiles go through Triton's normal on-disk cache, so a second inspection of the same kernel and
+configuration costs well under a second.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+
+from jfa.specs import INSPECT_TARGETS, SETMAXNREG_MAX, TMEM_COLUMNS, WARP_SIZE
+
+
+@dataclasses.dataclass
+class KernelSpec:
+    """Everything `triton.compile` needs to build one kernel configuration without launching it.
+
+    `signature` maps each runtime argument to its Triton type ("*fp16", "i32", "fp32",
+    "tensordesc<fp16[64,64]>"); constexpr arguments are listed only in `constexprs` (their
+    signature entry is filled in). `role_names` labels the warp-specialized roles in order:
+    the default task first, then each `tlx.async_task` region (a `replicate=R` task counts R times).
+    `target` is the architecture the kernel is written for, used when `inspect` is given none.
+    """
+
+    fn: object
+    signature: dict
+    constexprs: dict = dataclasses.field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 1
+    name: str | None = None
+    role_names: tuple = ()
+    target: str = "sm_90"
+
+    def __post_init__(self):
+        if self.name is None:
+            self.name = self.fn.__name__
+
+
+@dataclasses.dataclass
+class Role:
+    """One warp-specialized role: its warps and its per-thread register budget."""
+
+    name: str
+    warps: int
+    requested_registers: int | None  # what the source asked for; None: the compiler decides
+    registers: int | None  # what the role runs with (after setmaxnreg's clamp); None: not set
+
+
+# Name shown in the report -> test on a PTX mnemonic (the instruction with its modifiers).
+INSTRUCTION_GROUPS = {
+    "wgmma.mma_async": lambda m: m.startswith("wgmma.mma_async"),
+    "wgmma fence/commit/wait": lambda m: m.startswith(("wgmma.fence", "wgmma.commit_group", "wgmma.wait_group")),
+    "tcgen05.mma": lambda m: m.startswith("tcgen05.mma"),
+    "tcgen05.* (all)": lambda m: m.startswith("tcgen05."),
+    "TMA load (cp.async.bulk.tensor g->s)": lambda m: m.startswith("cp.async.bulk.tensor") and ".shared::" in m.split(".global")[0],
+    "TMA store (cp.async.bulk.tensor s->g)": lambda m: m.startswith("cp.async.bulk.tensor") and m.split(".shared::")[0].endswith("global"),
+    "TMA reduce (cp.reduce.async.bulk)": lambda m: m.startswith("cp.reduce.async.bulk"),
+    "mbarrier.init": lambda m: m.startswith("mbarrier.init"),
+    "mbarrier.arrive (all)": lambda m: m.startswith("mbarrier.arrive"),
+    "mbarrier.arrive.expect_tx": lambda m: m.startswith("mbarrier.arrive.expect_tx") or m.startswith("mbarrier.expect_tx"),
+    "mbarrier.try_wait": lambda m: m.startswith("mbarrier.try_wait"),
+    "bar.sync / barrier.sync": lambda m: m.startswith(("bar.sync", "barrier.sync")),
+    "bar.arrive / barrier.arrive": lambda m: m.startswith(("bar.arrive", "barrier.arrive")),
+    "setmaxnreg": lambda m: m.startswith("setmaxnreg"),
+}
+
+
+@dataclasses.dataclass
+class KernelReport:
+    """What one compiled configuration asks of the machine; see the module docstring for sources."""
+
+    name: str
+    target: str
+    roles: list
+    total_warps: int
+    shared_bytes: int
+    tmem_columns: int | None  # sm_100 only; None on Hopper, which has no tensor memory
+    setmaxnreg: dict  # "inc 240" / "dec 40" -> occurrences in the PTX
+    instructions: dict  # INSTRUCTION_GROUPS name -> static count in the PTX
+    ptx: str | None = None
+    ttgir: str | None = None
+
+    @property
+    def threads(self) -> int:
+        return self.total_warps * WARP_SIZE
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"threads": self.threads}
+
+    def to_text(self) -> str:
+        tmem = "-" if self.tmem_columns is None else f"{self.tmem_columns} of {TMEM_COLUMNS} columns"
+        lines = [
+            f"{self.name} @ {self.target}",
+            f"  warps {self.total_warps} ({self.threads} threads) | shared memory {self.shared_bytes:,} B"
+            f" | tensor memory {tmem}",
+            "",
+            f"  {'role':<14}{'warps':>6}{'regs asked':>12}{'regs/thread':>13}",
+        ]
+        for role in self.roles:
+            asked = "-" if role.requested_registers is None else role.requested_registers
+            regs = "-" if role.registers is None else role.registers
+            lines.append(f"  {role.name:<14}{role.warps:>6}{asked:>12}{regs:>13}")
+        setmaxnreg = ", ".join(f"{k} x{v}" for k, v in self.setmaxnreg.items()) or "none"
+        lines += ["", f"  setmaxnreg in PTX: {setmaxnreg}", "", "  PTX instructions (static count)"]
+        lines += [f"    {group:<40}{count:>6}" for group, count in self.instructions.items()]
+        return "\n".join(lines)
+
+
+class KernelCompileError(RuntimeError):
+    """Raised when Triton cannot compile a spec; the message names the kernel and the target."""
+
+
+def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
+            want_ttgir: bool = False) -> KernelReport:
+    """Compile `spec` for `target` ("sm_90" or "sm_100"; default: the spec's own) and report it."""
+    target = spec.target if target is None else target
+    if target not in INSPECT_TARGETS:
+        raise ValueError(f"target must be one of {sorted(INSPECT_TARGETS)}, got {target!r}")
+    kernel = _compile(spec, target)
+    ttgir = kernel.asm["ttgir"]
+    ptx = kernel.asm["ptx"]
+    mnemonics = _ptx_mnemonics(ptx)
+    tmem_columns = kernel.metadata.tmem_size if INSPECT_TARGETS[target] >= 100 else None
+    return KernelReport(
+        name=spec.name,
+        target=target,
+        roles=_roles(_allocate_warp_groups(ttgir, target), spec),
+        total_warps=kernel.metadata.num_warps,
+        shared_bytes=kernel.metadata.shared,
+        tmem_columns=tmem_columns,
+        setmaxnreg=_setmaxnreg(ptx),
+        instructions={group: sum(n for m, n in mnemonics.items() if test(m))
+                      for group, test in INSTRUCTION_GROUPS.items()},
+        ptx=ptx if want_ptx else None,
+        ttgir=ttgir if want_ttgir else None,
+    )
+
+
+def _full_signature(spec: KernelSpec) -> dict:
+    """The spec's signature in argument order, with every constexpr marked as one."""
+    signature = {}
+    for arg in spec.fn.arg_names:
+        if arg in spec.constexprs:
+            signature[arg] = "constexpr"
+        elif arg in spec.signature:
+            signature[arg] = spec.signature[arg]
+        else:
+            raise ValueError(f"KernelSpec {spec.name!r}: argument {arg!r} is in neither `signature` "
+                             f"nor `constexprs`; give it a type or a compile-time value")
+    return signature
+
+
+def _compile(spec: KernelSpec, target: str):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=spec.fn, signature=_full_signature(spec), constexprs=spec.constexprs)
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    with _stderr_captured() as log:
+        try:
+            return triton.compile(source, target=GPUTarget("cuda", INSPECT_TARGETS[target], WARP_SIZE),
+                                  options=options)
+        except Exception as exc:
+            error = exc
+    diagnostics = [line for line in log[0].splitlines() if "error" in line.lower()]
+    detail = "\n".join(diagnostics[-5:]) or f"{type(error).__name__}: {error}"
+    raise KernelCompileError(f"compiling kernel {spec.name!r} for {target} failed:\n{detail}") from error
+
+
+@contextlib.contextmanager
+def _stderr_captured():
+    """MLIR prints compile diagnostics on the process's stderr, not in the Python exception.
+
+    Capture them (file descriptor 2) so a failure can name its cause; pass them on otherwise.
+    The captured text is delivered as `log[0]` once the block ends.
+    """
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    log = []
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield log
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            sink.seek(0)
+            log.append(sink.read().decode(errors="replace"))
+
+
+def _allocate_warp_groups(ttgir: str, target: str) -> str:
+    """Rerun Triton's warp-group allocation on the final TTGIR so it carries `actualRegisters`."""
+    from triton._C.libtriton import ir, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    context = ir.context()
+    ir.load_dialects(context)
+    CUDABackend(GPUTarget("cuda", INSPECT_TARGETS[target], WARP_SIZE)).load_dialects(context)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttgir") as f:
+        f.write(ttgir)
+        f.flush()
+        module = ir.parse_mlir_module(f.name, context)
+    module.context = context
+    manager = ir.pass_manager(context)
+    passes.ttgpuir.add_allocate_warp_groups(manager, False)
+    manager.run(module, "jfa.inspect")
+    return module.str_nodebug()
+
+
+_INT_ARRAY = r"array<i32(?::\s*([\d,\s]*))?>"
+
+
+def _roles(ttgir: str, spec: KernelSpec) -> list:
+    """Roles from the first `ttg.warp_specialize` op; one role of `num_warps` if there is none."""
+    default_warps = int(re.search(r'"ttg.num-warps"\s*=\s*(\d+)', ttgir).group(1))
+    op = re.search(r"ttg\.warp_specialize\(.*", ttgir)
+    partition_warps = [int(w) for w in re.findall(r"^\s*partition\d+\(.*num_warps\((\d+)\)", ttgir, re.M)]
+    warps = [default_warps] + partition_warps
+    requested = [None] + _int_array(op.group(0) if op else "", "requestedRegisters", len(partition_warps))
+    actual = _int_array(op.group(0) if op else "", "actualRegisters", len(warps))
+    ttgir_names = ["default"] + [f"partition{i}" for i in range(len(partition_warps))]
+    names = list(spec.role_names[:len(warps)]) + ttgir_names[len(spec.role_names):]
+    return [Role(name=names[i], warps=warps[i], requested_registers=requested[i],
+                 registers=None if actual[i] is None else min(actual[i], SETMAXNREG_MAX))
+            for i in range(len(warps))]
+
+
+def _int_array(op_text: str, attribute: str, length: int) -> list:
+    match = re.search(attribute + r"\s*=\s*" + _INT_ARRAY, op_text)
+    if not match or not match.group(1):
+        return [None] * length
+    return [int(v) for v in match.group(1).split(",")]
+
+
+def _ptx_mnemonics(ptx: str) -> Counter:
+    """Instruction mnemonics with their modifiers, one count per appearance in the PTX text."""
+    counts = Counter()
+    for line in ptx.splitlines():
+        match = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)(\s|;|$)", line)
+        if match and not line.rstrip().endswith(":"):
+            counts[match.group(1)] += 1
+    return counts
+
+
+def _setmaxnreg(ptx: str) -> dict:
+    found = re.findall(r"setmaxnreg\.(inc|dec)\S*\s+(\d+)", ptx)
+    return dict(sorted(Counter(f"{kind} {value}" for kind, value in found).items()))
