@@ -35,6 +35,7 @@ import triton.language as tl
 import triton.language.extra.tlx as tlx
 
 from jfa.inspect import KernelSpec
+from jfa.specs import TMA_ALIGN_BYTES
 
 # Globals read inside a kernel must be constexpr.
 RING_SLOTS = tl.constexpr(2)  # double buffering: one slot is filled while the other is consumed
@@ -85,8 +86,8 @@ def scale_tiles(x: torch.Tensor, scale: float, out: torch.Tensor | None = None,
         raise ValueError(f"x must be a contiguous 2-D tensor, got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
-    if (x.shape[1] * x.element_size()) % 16:
-        raise ValueError(f"TMA needs 16-byte aligned rows: x.shape[1] must be a multiple of 8, got {x.shape[1]}")
+    if (x.shape[1] * x.element_size()) % TMA_ALIGN_BYTES:
+        raise ValueError(f"TMA needs {TMA_ALIGN_BYTES}-byte aligned rows: pad x.shape[1] ({x.shape[1]})")
     n_rows, n_cols = x.shape
     y = torch.empty_like(x) if out is None else out
     x_desc = TensorDescriptor(x, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_M, BLOCK_N])
