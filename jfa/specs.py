@@ -160,3 +160,7 @@ TMEM_COLUMNS = 512  # Blackwell tensor memory per SM: 128 lanes x 512 columns of
 # ---- references, validation, ops (jfa/reference.py, jfa/jagged.py, jfa/ops.py) ----------------
 FP8_BLOCK_ROWS = 128  # per-block FP8: one scale per 128 rows of a head (one Hopper Q/KV tile)
 TMA_ALIGN_BYTES = 16  # TMA needs 16-byte aligned base addresses: kernel inputs must start aligned
+
+# ---- references, validation, ops (jfa/reference.py, jfa/jagged.py, jfa/ops.py) ----------------
+FP8_BLOCK_ROWS = 128  # per-block FP8: one scale per 128 rows of a head (one Hopper Q/KV tile)
+TMA_ALIGN_BYTES = 16  # TMA needs 16-byte aligned base addresses: kernel inputs must start aligned
