@@ -161,6 +161,11 @@ TMEM_COLUMNS = 512  # Blackwell tensor memory per SM: 128 lanes x 512 columns of
 FP8_BLOCK_ROWS = 128  # per-block FP8: one scale per 128 rows of a head (one Hopper Q/KV tile)
 TMA_ALIGN_BYTES = 16  # TMA needs 16-byte aligned base addresses: kernel inputs must start aligned
 
-# ---- references, validation, ops (jfa/reference.py, jfa/jagged.py, jfa/ops.py) ----------------
-FP8_BLOCK_ROWS = 128  # per-block FP8: one scale per 128 rows of a head (one Hopper Q/KV tile)
-TMA_ALIGN_BYTES = 16  # TMA needs 16-byte aligned base addresses: kernel inputs must start aligned
+# ---- notebooks' budget calculator (jfa/widgets.py): per-SM limits of H100/H200 and B200 ---------
+SHARED_BYTES_PER_BLOCK = {"sm_90": 227 * 1024, "sm_100": 227 * 1024}  # opt-in maximum for one CTA
+REGISTERS_PER_SM = 65536  # 32-bit registers shared by all resident threads
+SETMAXNREG_MIN = 24  # setmaxnreg accepts 24..256 registers per thread, in steps of 8
+SETMAXNREG_STEP = 8
+MBARRIER_BYTES = 8  # one mbarrier object in shared memory
+TMEM_LANES = 128  # tensor memory rows: one accumulator row per lane
+TMEM_ALLOC_MIN_COLUMNS = 32  # tcgen05.alloc grants powers of two from 32 columns up
