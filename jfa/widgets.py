@@ -1,0 +1,460 @@
+"""Panels for the notebooks: pure functions that compute tables and figures, thin ipywidgets wrappers.
+
+Every panel is split in two so it works both in JupyterLab and when a notebook is executed headless
+(nbval, nbconvert): a pure function turns parameters into a table or a figure (unit-tested, output
+deterministic), and a wrapper shows ipywidgets controls whose changes re-render that function's
+result in place. The wrapper always renders once with the default values, so a headless run still
+stores a static table or figure in the notebook.
+
+Sections: notebook setup; recorded results (what the notebooks show when no GPU is present); the
+K/V ring simulator (notebook 02); the shared-memory / register / tensor-memory budget calculator
+(notebook 02); the panel wrapper.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+from jfa.specs import (MBARRIER_BYTES, REGISTERS_PER_SM, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP,
+                       SHARED_BYTES_PER_BLOCK, TMEM_ALLOC_MIN_COLUMNS, TMEM_COLUMNS, TMEM_LANES, WARP_SIZE,
+                       WARPGROUP_WARPS)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "results"
+RECORDED_DIR = RESULTS_DIR / "recorded"
+NO_RECORDING = "no recorded H200 run yet"
+
+
+# ==== notebook setup ============================================================================
+def setup_notebook() -> None:
+    """Render plotly figures as JSON mime bundles: JupyterLab draws them with its plotly extension,
+    and the saved notebook carries only the figure's data, never the 4 MB plotly.js library."""
+    import plotly.io as pio
+
+    pio.renderers.default = "plotly_mimetype"
+    pio.templates.default = "plotly_white"
+
+
+# ==== recorded results ==========================================================================
+@dataclasses.dataclass
+class Recorded:
+    """One results JSON: its path, its content, and whether it is a small fixture from results/recorded/."""
+
+    path: Path
+    doc: dict
+    is_fixture: bool
+
+    @property
+    def env(self) -> dict:
+        return self.doc.get("env", {})
+
+    def provenance(self) -> str:
+        """One line saying where the numbers come from, so no reader takes them for a live run."""
+        env = self.env
+        commit = (env.get("commit") or "?")[:12]
+        where = self.path.relative_to(REPO_ROOT) if self.path.is_relative_to(REPO_ROOT) else self.path
+        kind = "recorded fixture" if self.is_fixture else "recorded run"
+        source = f"; source: {self.doc['source']}" if self.doc.get("source") else ""
+        return (f"{kind}: {env.get('gpu') or '?'}, torch {env.get('torch') or '?'}, triton {env.get('triton') or '?'},"
+                f" commit {commit}, {env.get('date') or '?'} ({where}){source}")
+
+
+def _date_key(path: Path, doc: dict) -> tuple[str, str]:
+    return (str(doc.get("env", {}).get("date") or ""), path.name)
+
+
+def _load_all(directory: Path, pattern: str, is_fixture: bool) -> list[Recorded]:
+    found = []
+    for path in sorted(directory.glob(pattern)):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a half-written or foreign file is not a recording
+        if isinstance(doc, dict):
+            found.append(Recorded(path, doc, is_fixture))
+    return found
+
+
+def newest_recorded(pattern: str, results_dir: Path = RESULTS_DIR, recorded_dir: Path | None = None,
+                    where: Callable[[dict], bool] | None = None) -> Recorded | None:
+    """The newest real results file matching `pattern` (a glob such as "bench-*.json"), else the
+    newest fixture in results/recorded/, else None. `where` filters on the JSON document.
+
+    Real runs from the GPU host always win over fixtures; None means there is nothing recorded,
+    and the caller must say so rather than show anything else."""
+    recorded_dir = results_dir / "recorded" if recorded_dir is None else recorded_dir
+    for directory, is_fixture in ((results_dir, False), (recorded_dir, True)):
+        candidates = [r for r in _load_all(directory, pattern, is_fixture) if where is None or where(r.doc)]
+        if candidates:
+            return max(candidates, key=lambda r: _date_key(r.path, r.doc))
+    return None
+
+
+def recorded_test_outcomes(rec: Recorded | None, name_contains: str) -> list[dict]:
+    """The test entries of a `pytest --results-json` file whose node id contains `name_contains`."""
+    if rec is None:
+        return []
+    return [t for t in rec.doc.get("tests", []) if name_contains in t.get("test", "")]
+
+
+def recorded_tests_text(rec: Recorded | None, name_contains: str) -> str:
+    """The recorded outcome of matching GPU tests, with provenance, or the plain NO_RECORDING line."""
+    tests = recorded_test_outcomes(rec, name_contains)
+    if not tests:
+        return f"{NO_RECORDING} of tests matching {name_contains!r}"
+    lines = [rec.provenance()]
+    lines += [f"  {t['outcome']:<8} {t['test']} ({t.get('seconds', 0.0):.2f} s)" for t in tests]
+    return "\n".join(lines)
+
+
+# ==== the K/V ring simulator ====================================================================
+@dataclasses.dataclass(frozen=True)
+class RingStep:
+    """One thing a role did: `action` on `tile` in ring `slot`, from tick `start` to tick `end`."""
+
+    role: str  # "producer" or "consumer"
+    action: str  # "load", "compute", or "wait" (blocked on a barrier)
+    tile: int
+    slot: int
+    parity: int  # the phase parity the role waited for (before a load/compute: the wait that passed)
+    start: int
+    end: int
+    barrier: str  # the barrier waited on, e.g. "empty[1]"
+
+
+def ring_slot(i: int, depth: int) -> tuple[int, int]:
+    """Tile i lives in slot i % depth and is in the ring's round (i // depth); the barriers of that
+    round complete phase (i // depth) & 1, because an mbarrier's phase is one bit that flips on
+    every completion."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1 ring slot, got {depth}")
+    if i < 0:
+        raise ValueError(f"tile index must be >= 0, got {i}")
+    return i % depth, (i // depth) & 1
+
+
+class _MBarrier:
+    """An mbarrier reduced to what the ring needs: it completes a phase after `arrive_count` arrivals.
+
+    `try_wait(parity)` passes when the phase of that parity is the one completed last, i.e. the
+    current (in-progress) phase has the other parity. A fresh barrier is in phase 0, so a wait for
+    parity 1 passes at once: that is how the producer's first pass over the empty slots does not block.
+    """
+
+    def __init__(self, arrive_count: int = 1):
+        self.arrive_count = arrive_count
+        self.pending = arrive_count
+        self.completed_phases = 0
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed_phases += 1
+            self.pending = self.arrive_count
+
+    def try_wait(self, parity: int) -> bool:
+        return (self.completed_phases & 1) != parity
+
+
+def simulate_ring(n_tiles: int, depth: int, load_ticks: int = 2, compute_ticks: int = 3) -> list[RingStep]:
+    """Run a producer and a consumer over a ring of `depth` slots for `n_tiles` tiles.
+
+    The producer waits on empty[slot] for parity phase ^ 1, loads for `load_ticks`, then arrives on
+    full[slot] (TMA's byte count completing the barrier); the consumer waits on full[slot] for parity
+    phase, computes for `compute_ticks`, then arrives on empty[slot]. Arrivals at a tick are seen by
+    waits at the same tick. Returns every load, compute and stall, ordered by start tick.
+    """
+    for name, value in (("n_tiles", n_tiles), ("depth", depth), ("load_ticks", load_ticks),
+                        ("compute_ticks", compute_ticks)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    full = [_MBarrier() for _ in range(depth)]
+    empty = [_MBarrier() for _ in range(depth)]
+    roles = {
+        "producer": dict(next_tile=0, busy_until=0, waiting_since=None, barriers=empty, flip=1,
+                         after=full, ticks=load_ticks, action="load", name="empty"),
+        "consumer": dict(next_tile=0, busy_until=0, waiting_since=None, barriers=full, flip=0,
+                         after=empty, ticks=compute_ticks, action="compute", name="full"),
+    }
+    in_flight: list[tuple[int, list, int]] = []  # (tick it lands, barriers, slot)
+    steps: list[RingStep] = []
+    tick = 0
+    while any(r["next_tile"] < n_tiles for r in roles.values()):
+        for landing in [f for f in in_flight if f[0] == tick]:
+            landing[1][landing[2]].arrive()
+            in_flight.remove(landing)
+        for role_name, role in roles.items():
+            i = role["next_tile"]
+            if i >= n_tiles or role["busy_until"] > tick:
+                continue
+            slot, phase = ring_slot(i, depth)
+            parity = phase ^ role["flip"]
+            barrier = f"{role['name']}[{slot}]"
+            if not role["barriers"][slot].try_wait(parity):
+                if role["waiting_since"] is None:
+                    role["waiting_since"] = tick
+                continue
+            if role["waiting_since"] is not None:
+                steps.append(RingStep(role_name, "wait", i, slot, parity, role["waiting_since"], tick, barrier))
+                role["waiting_since"] = None
+            steps.append(RingStep(role_name, role["action"], i, slot, parity, tick, tick + role["ticks"], barrier))
+            in_flight.append((tick + role["ticks"], role["after"], slot))
+            role["busy_until"] = tick + role["ticks"]
+            role["next_tile"] = i + 1
+        tick += 1
+    return sorted(steps, key=lambda s: (s.start, s.role != "producer"))
+
+
+def ring_trace_text(steps: list[RingStep]) -> str:
+    """The simulation as a step-by-step table: who did what, in which slot, after waiting for which phase."""
+    lines = [f"{'tick':>4}  {'role':<9}{'action':<9}{'tile':>4}{'slot':>5}  barrier wait"]
+    for s in steps:
+        if s.action == "wait":
+            what = f"blocked on {s.barrier} until tick {s.end} (waiting for phase parity {s.parity})"
+        else:
+            what = f"{s.barrier} parity {s.parity} passed"
+        lines.append(f"{s.start:>4}  {s.role:<9}{s.action:<9}{s.tile:>4}{s.slot:>5}  {what}")
+    return "\n".join(lines)
+
+
+def ring_summary(steps: list[RingStep]) -> dict:
+    """Total ticks, and the ticks each role spent blocked: the number a deeper ring should shrink."""
+    end = max((s.end for s in steps), default=0)
+    stalled = {role: sum(s.end - s.start for s in steps if s.role == role and s.action == "wait")
+               for role in ("producer", "consumer")}
+    return {"ticks": end, "producer_stalled": stalled["producer"], "consumer_stalled": stalled["consumer"]}
+
+
+ROLE_COLORS = {"load": "#4C78A8", "compute": "#F58518", "wait": "#BBBBBB"}
+
+
+def ring_figure(steps: list[RingStep], title: str = "K/V ring: who works and who waits"):
+    """A Gantt chart of the simulation: one row per role, bars labeled tile/slot/phase."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for action, color in ROLE_COLORS.items():
+        chosen = [s for s in steps if s.action == action]
+        if not chosen:
+            continue
+        fig.add_trace(go.Bar(
+            name=action, orientation="h", marker_color=color,
+            y=[s.role for s in chosen], x=[s.end - s.start for s in chosen], base=[s.start for s in chosen],
+            text=[f"t{s.tile} s{s.slot} p{s.parity}" if action != "wait" else "" for s in chosen],
+            textposition="inside", insidetextanchor="middle",
+            hovertext=[f"tile {s.tile}, slot {s.slot}, {s.barrier} parity {s.parity}" for s in chosen]))
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="tick", height=260,
+                      yaxis=dict(categoryorder="array", categoryarray=["consumer", "producer"]),
+                      margin=dict(l=80, r=20, t=50, b=40))
+    return fig
+
+
+# ==== the budget calculator =====================================================================
+@dataclasses.dataclass
+class AttentionConfig:
+    """One forward-attention kernel configuration, as the budget calculator sees it.
+
+    `block_m` query rows per CTA are split evenly among `consumer_groups` warpgroups (each holds
+    block_m / consumer_groups rows: ping-pong on Hopper, two TMEM halves on Blackwell); K and V
+    tiles of `block_n` rows sit in rings of `kv_stages` slots: one ring each, or with
+    `shared_kv_ring` one ring whose slots take K and V tiles in turn (the Blackwell tutorials'
+    layout). `producer_warps` issue the loads with `producer_registers` per thread; every consumer
+    warpgroup gets `consumer_registers`.
+    """
+
+    arch: str = "sm_90"
+    block_m: int = 128
+    block_n: int = 128
+    head_dim: int = 128
+    kv_stages: int = 2
+    shared_kv_ring: bool = False
+    consumer_groups: int = 2
+    producer_warps: int = WARPGROUP_WARPS
+    producer_registers: int = 24
+    consumer_registers: int = 240
+    element_bytes: int = 2  # bf16 / fp16
+
+    def validate(self) -> None:
+        if self.arch not in SHARED_BYTES_PER_BLOCK:
+            raise ValueError(f"arch must be one of {sorted(SHARED_BYTES_PER_BLOCK)}, got {self.arch!r}")
+        for name in ("block_m", "block_n", "head_dim", "kv_stages", "consumer_groups", "producer_warps",
+                     "element_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.block_m % self.consumer_groups:
+            raise ValueError(f"block_m ({self.block_m}) must split evenly among consumer_groups "
+                             f"({self.consumer_groups})")
+        for name in ("producer_registers", "consumer_registers"):
+            value = getattr(self, name)
+            if not SETMAXNREG_MIN <= value <= SETMAXNREG_MAX or value % SETMAXNREG_STEP:
+                raise ValueError(f"{name} must be a multiple of {SETMAXNREG_STEP} in "
+                                 f"[{SETMAXNREG_MIN}, {SETMAXNREG_MAX}] (setmaxnreg's rule), got {value}")
+
+    @property
+    def rows_per_group(self) -> int:
+        return self.block_m // self.consumer_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetLine:
+    resource: str
+    used: int
+    limit: int
+    unit: str
+    note: str
+
+    @property
+    def fits(self) -> bool:
+        return self.used <= self.limit
+
+
+def _tmem_allocation(columns: int) -> int:
+    """TMEM is allocated in powers of two of at least 32 columns."""
+    alloc = TMEM_ALLOC_MIN_COLUMNS
+    while alloc < columns:
+        alloc *= 2
+    return alloc
+
+
+def attention_budget(cfg: AttentionConfig) -> list[BudgetLine]:
+    """Shared memory, registers and (sm_100) tensor memory that `cfg` needs, against the hardware limits.
+
+    A first-order count: tiles, rings and barriers, not the compiler's scratch space; the
+    compile-only inspection (`jfa.inspect`) gives the exact numbers for a real kernel.
+    """
+    cfg.validate()
+    tile = lambda rows, cols: rows * cols * cfg.element_bytes  # noqa: E731 - one-line helper, read below
+    q_bytes = cfg.consumer_groups * tile(cfg.rows_per_group, cfg.head_dim)
+    rings = 1 if cfg.shared_kv_ring else 2
+    kv_bytes = rings * cfg.kv_stages * tile(cfg.block_n, cfg.head_dim)
+    barriers = 2 * cfg.consumer_groups + 2 * rings * cfg.kv_stages  # Q full/empty; full/empty per ring slot
+    smem = q_bytes + kv_bytes + barriers * MBARRIER_BYTES
+    ring_words = "one shared K/V ring" if cfg.shared_kv_ring else "K and V rings"
+    lines = [BudgetLine("shared memory", smem, SHARED_BYTES_PER_BLOCK[cfg.arch], "bytes",
+                        f"Q {q_bytes:,} + {ring_words} {kv_bytes:,} ({cfg.kv_stages} stages)"
+                        f" + {barriers} mbarriers")]
+
+    group_threads = WARPGROUP_WARPS * WARP_SIZE
+    producer_threads = cfg.producer_warps * WARP_SIZE
+    registers = (cfg.producer_registers * producer_threads
+                 + cfg.consumer_registers * group_threads * cfg.consumer_groups)
+    lines.append(BudgetLine("registers per SM", registers, REGISTERS_PER_SM, "registers",
+                            f"producer {producer_threads} thr x {cfg.producer_registers}"
+                            f" + {cfg.consumer_groups} consumer WG x {group_threads} thr x {cfg.consumer_registers}"))
+
+    s_fp32 = cfg.rows_per_group * cfg.block_n  # one S tile per consumer group, fp32
+    o_fp32 = cfg.rows_per_group * cfg.head_dim
+    if cfg.arch == "sm_90":
+        # Hopper: wgmma accumulates in registers, spread over the warpgroup's 128 threads.
+        p_regs = s_fp32 * cfg.element_bytes // 4  # P in bf16, two values packed per 32-bit register
+        acc = (s_fp32 + o_fp32 + p_regs) // group_threads
+        lines.append(BudgetLine("accumulator registers per consumer thread", acc, cfg.consumer_registers,
+                                "registers", f"S {s_fp32 // group_threads} + O {o_fp32 // group_threads}"
+                                f" + P {p_regs // group_threads} (fp32 accumulators live in registers)"))
+    else:
+        # Blackwell: tcgen05 accumulates in tensor memory; 128 lanes hold 128 rows of each tile.
+        lanes_used = max(cfg.rows_per_group, TMEM_LANES)
+        columns = cfg.consumer_groups * (cfg.block_n + cfg.head_dim) * lanes_used // TMEM_LANES
+        lines.append(BudgetLine("tensor memory columns", _tmem_allocation(columns), TMEM_COLUMNS, "columns",
+                                f"{cfg.consumer_groups} x (S {cfg.block_n} + O {cfg.head_dim}) = {columns},"
+                                f" P aliases S in bf16; allocated as a power of two >= {TMEM_ALLOC_MIN_COLUMNS}"))
+    return lines
+
+
+def budget_text(lines: list[BudgetLine]) -> str:
+    """The budget as a fixed-width table with a verdict per resource."""
+    out = [f"{'resource':<42}{'used':>10}{'limit':>10}  {'':<8}note"]
+    for b in lines:
+        verdict = "fits" if b.fits else "OVER"
+        out.append(f"{b.resource:<42}{b.used:>10,}{b.limit:>10,}  {verdict:<8}{b.note}")
+    return "\n".join(out)
+
+
+# ==== the panel wrapper =========================================================================
+def panel(controls: dict, render: Callable[..., object]) -> Callable[[], object]:
+    """Show `controls` (name -> ipywidget) and `render(**values)` below them, re-rendered in place.
+
+    The first render is displayed directly (a display with an id), so a headless execution stores
+    it as a static output; in JupyterLab each change of a control updates that same output. Returns
+    a function that re-renders with the controls' current values (what a test can call).
+    """
+    import ipywidgets
+    from IPython.display import display
+
+    def values() -> dict:
+        return {name: widget.value for name, widget in controls.items()}
+
+    display(ipywidgets.HBox(list(controls.values()), layout=ipywidgets.Layout(flex_flow="row wrap")))
+    handle = display(render(**values()), display_id=True)
+
+    def refresh(_change=None):
+        result = render(**values())
+        handle.update(result)
+        return result
+
+    for widget in controls.values():
+        widget.observe(refresh, names="value")
+    return refresh
+
+
+class Text:
+    """Plain text shown as-is (a pre block in JupyterLab; text/plain when executed headless)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {"text/plain": self.text}
+
+
+def ring_panel(n_tiles: int = 8):
+    """Ring depth and the load/compute ticks as sliders; the Gantt chart and stall counts below."""
+    import ipywidgets
+
+    controls = {
+        "depth": ipywidgets.IntSlider(value=2, min=1, max=6, description="ring depth"),
+        "load_ticks": ipywidgets.IntSlider(value=2, min=1, max=6, description="load ticks"),
+        "compute_ticks": ipywidgets.IntSlider(value=3, min=1, max=6, description="compute ticks"),
+    }
+
+    def render(depth, load_ticks, compute_ticks):
+        steps = simulate_ring(n_tiles, depth, load_ticks, compute_ticks)
+        summary = ring_summary(steps)
+        return ring_figure(steps, title=f"depth {depth}: {summary['ticks']} ticks, consumer stalled "
+                                        f"{summary['consumer_stalled']}, producer stalled {summary['producer_stalled']}")
+    return panel(controls, render)
+
+
+def budget_panel(**defaults):
+    """The budget calculator with one control per AttentionConfig field; the table below."""
+    import ipywidgets
+
+    cfg = AttentionConfig(**defaults)
+    controls = {
+        "arch": ipywidgets.Dropdown(options=sorted(SHARED_BYTES_PER_BLOCK), value=cfg.arch, description="arch"),
+        "block_m": ipywidgets.Dropdown(options=[64, 128, 256], value=cfg.block_m, description="BLOCK_M"),
+        "block_n": ipywidgets.Dropdown(options=[32, 64, 128, 256], value=cfg.block_n, description="BLOCK_N"),
+        "head_dim": ipywidgets.Dropdown(options=[64, 128, 256], value=cfg.head_dim, description="head_dim"),
+        "kv_stages": ipywidgets.IntSlider(value=cfg.kv_stages, min=1, max=6, description="K/V stages"),
+        "shared_kv_ring": ipywidgets.Checkbox(value=cfg.shared_kv_ring, description="one shared K/V ring"),
+        "consumer_groups": ipywidgets.IntSlider(value=cfg.consumer_groups, min=1, max=3, description="consumer WGs"),
+        "consumer_registers": ipywidgets.IntSlider(value=cfg.consumer_registers, min=SETMAXNREG_MIN,
+                                                   max=SETMAXNREG_MAX, step=SETMAXNREG_STEP,
+                                                   description="consumer regs"),
+        "producer_registers": ipywidgets.IntSlider(value=cfg.producer_registers, min=SETMAXNREG_MIN,
+                                                   max=SETMAXNREG_MAX, step=SETMAXNREG_STEP,
+                                                   description="producer regs"),
+    }
+
+    def render(**values):
+        try:
+            return Text(budget_text(attention_budget(dataclasses.replace(cfg, **values))))
+        except ValueError as exc:  # an impossible combination is shown, not raised, in a live panel
+            return Text(f"not a valid configuration: {exc}")
+    return panel(controls, render)
