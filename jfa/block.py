@@ -1,0 +1,261 @@
+"""Block attention's public API: `block_attention` and `fused_projection_rotary_block_attention`.
+
+Both are `torch.library` custom ops, so they work under `torch.compile` (fake impls give shapes
+without running anything) and with autograd. On a Hopper GPU they run the TLX kernels of
+`jfa.kernels.block_attn`; anywhere else they run the fp32 references of `jfa.reference` (and say so
+once), so notebooks and user code behave the same on a laptop.
+
+The fused path splits its work where each part is cheapest:
+- forward: ``qkv = x @ w (+ bias)`` is a torch matmul; rotary on q, k, v, then the attention kernel;
+- backward: the attention backward kernel applies the conjugate rotation in its epilogue and writes
+  one tensor ``dz = d(qkv)``; autograd's matmul backward then gives ``dx = dz @ w^T``,
+  ``dw = x^T @ dz`` and ``dbias = dz.sum(0)``. Only ``qkv`` is kept for the backward: the rotated
+  q, k, v are recomputed there (three elementwise passes), which saves their memory.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from jfa import reference, specs
+from jfa.kernels import block_attn
+
+__all__ = ["block_attention", "fused_projection_rotary_block_attention"]
+
+OFFSET_DTYPES = (torch.int32, torch.int64)
+_told_fallback = False
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+def _check_tensor(name: str, t, dims: int):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+
+
+def _check_offsets(offsets, rows: int, device: torch.device):
+    """Offsets: int32/int64 [B+1] on the data's device. Their values are not read (no host sync)."""
+    _check_tensor("offsets", offsets, 1)
+    if offsets.dtype not in OFFSET_DTYPES:
+        raise TypeError(f"offsets must be int32 or int64 prefix sums, got {offsets.dtype}")
+    if offsets.numel() < 1:
+        raise ValueError("offsets must hold B+1 >= 1 prefix sums starting at 0, got an empty tensor")
+    if offsets.device != device:
+        raise ValueError(f"offsets must be on the data's device {device}, got {offsets.device}")
+    if rows > specs.INT32_MAX:
+        raise ValueError(f"at most {specs.INT32_MAX} rows are supported, got {rows}")
+
+
+def _check_attention_inputs(q, k, v, offsets):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 3)
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor (bf16 or fp16 for the kernels), got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    rows, heads_q, head_dim = q.shape
+    if k.shape[0] != rows:
+        raise ValueError(f"block attention is self-attention: k must have q's {rows} rows, got {k.shape[0]}")
+    if k.shape[2] != head_dim:
+        raise ValueError(f"k's head_dim must equal q's ({head_dim}), got {k.shape[2]}")
+    if head_dim not in specs.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {specs.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if k.shape[1] == 0 or heads_q % k.shape[1]:
+        raise ValueError(f"q's heads ({heads_q}) must be a multiple of k's heads ({k.shape[1]}) (GQA)")
+    _check_offsets(offsets, rows, q.device)
+
+
+def _check_fused_inputs(x, w, sinu_pos, offsets, q_heads, kv_heads, bias):
+    _check_tensor("x", x, 2)
+    _check_tensor("w", w, 2)
+    _check_tensor("sinu_pos", sinu_pos, 2)
+    for name, n in (("q_heads", q_heads), ("kv_heads", kv_heads)):
+        if not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) (GQA)")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w must have x's dtype {x.dtype}, got {w.dtype}")
+    if w.shape[0] != x.shape[1]:
+        raise ValueError(f"w must be [E, (q_heads + 2*kv_heads) * D] with E = x.shape[1] = {x.shape[1]}, "
+                         f"got {tuple(w.shape)}")
+    width = w.shape[1]
+    heads = q_heads + 2 * kv_heads
+    if width % heads or width // heads not in specs.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"w's {width} columns must be (q_heads + 2*kv_heads) * D = {heads} * D with D in "
+                         f"{specs.SUPPORTED_HEAD_DIMS}")
+    head_dim = width // heads
+    if tuple(sinu_pos.shape) != (x.shape[0], head_dim):
+        raise ValueError(f"sinu_pos must be [M, D] = [{x.shape[0]}, {head_dim}] (sin | cos halves), "
+                         f"got {tuple(sinu_pos.shape)}")
+    if bias is not None and tuple(bias.shape) != (width,):
+        raise ValueError(f"bias must be [{width}] (one per column of w), got {tuple(bias.shape)}")
+    for name, t in (("w", w), ("sinu_pos", sinu_pos), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+    _check_offsets(offsets, x.shape[0], x.device)
+
+
+# ---- dispatch -------------------------------------------------------------------------------
+
+def _use_kernel(q: torch.Tensor) -> bool:
+    """The TLX kernels where they run; the reference elsewhere (said once per process)."""
+    global _told_fallback
+    if block_attn.is_supported(q):
+        return True
+    if not _told_fallback:
+        warnings.warn("jfa block attention: no Hopper GPU / supported dtype for this call, running the "
+                      "PyTorch reference (slow, fp32)", stacklevel=3)
+        _told_fallback = True
+    return False
+
+
+def _split_heads(qkv: torch.Tensor, q_heads: int, kv_heads: int):
+    rows = qkv.shape[0]
+    head_dim = qkv.shape[1] // (q_heads + 2 * kv_heads)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return (t.reshape(rows, -1, head_dim) for t in (q, k, v))
+
+
+def _rotated_heads(qkv, sinu_pos, q_heads, kv_heads):
+    """q, k, v of the projection with rotary applied (fp32 math, stored in qkv's dtype)."""
+    return tuple(reference.rotary_ref(t, sinu_pos).to(qkv.dtype) for t in _split_heads(qkv, q_heads, kv_heads))
+
+
+def _reference_grads(fn, inputs, grad_out):
+    """Gradients of the fp32 reference `fn(*inputs)` w.r.t. inputs, cast back to their dtypes.
+
+    A custom op's body runs with the autograd dispatch key excluded (the op is a leaf to autograd),
+    so the reference's graph is recorded only after re-enabling that key for this block.
+    """
+    autograd_key = torch._C.DispatchKey.AutogradFunctionality
+    with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(autograd_key, False):
+        leaves = [t.detach().float().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, grad_out.float())
+    return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+# ---- block attention ------------------------------------------------------------------------
+
+@torch.library.custom_op("jfa::block_attention", mutates_args=())
+def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if _use_kernel(q):
+        return block_attn.block_attention_fwd(q, k, v, offsets)
+    return reference.block_attention_ref(q, k, v, offsets).to(q.dtype)
+
+
+@_block_attention_op.register_fake
+def _(q, k, v, offsets):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("jfa::block_attention_backward", mutates_args=())
+def _block_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                                 dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_kernel(q):
+        return block_attn.block_attention_bwd(q, k, v, offsets, dout)
+    return _reference_grads(lambda q_, k_, v_: reference.block_attention_ref(q_, k_, v_, offsets), (q, k, v), dout)
+
+
+@_block_attention_backward_op.register_fake
+def _(q, k, v, offsets, dout):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _block_attention_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _block_attention_backward(ctx, dout):
+    q, k, v, offsets = ctx.saved_tensors
+    dq, dk, dv = _block_attention_backward_op(q, k, v, offsets, dout)
+    return dq, dk, dv, None
+
+
+_block_attention_op.register_autograd(_block_attention_backward, setup_context=_block_attention_setup)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal self-attention over packed sequences: each 64-token block attends only to itself.
+
+    q [T, Hq, D], k and v [T, Hkv, D] (Hq = G*Hkv; D 64 or 128; bf16/fp16 for the kernels), offsets
+    int32/int64 [B+1] prefix sums. The last block of a sequence is masked to its real size.
+    sm_scale is 1/sqrt(D). Returns out [T, Hq, D] in q's dtype; differentiable in q, k, v.
+    """
+    _check_attention_inputs(q, k, v, offsets)
+    return _block_attention_op(q, k, v, offsets)
+
+
+# ---- projection + rotary + block attention --------------------------------------------------
+
+@torch.library.custom_op("jfa::rotary_block_attention", mutates_args=())
+def _rotary_block_attention_op(qkv: torch.Tensor, sinu_pos: torch.Tensor, offsets: torch.Tensor,
+                               q_heads: int, kv_heads: int) -> torch.Tensor:
+    q, k, v = _rotated_heads(qkv, sinu_pos, q_heads, kv_heads)
+    out = block_attn.block_attention_fwd(q, k, v, offsets) if _use_kernel(q) else \
+        reference.block_attention_ref(q, k, v, offsets).to(q.dtype)
+    return out.reshape(qkv.shape[0], -1)
+
+
+@_rotary_block_attention_op.register_fake
+def _(qkv, sinu_pos, offsets, q_heads, kv_heads):
+    head_dim = qkv.shape[1] // (q_heads + 2 * kv_heads)
+    return qkv.new_empty(qkv.shape[0], q_heads * head_dim)
+
+
+@torch.library.custom_op("jfa::rotary_block_attention_backward", mutates_args=())
+def _rotary_block_attention_backward_op(qkv: torch.Tensor, sinu_pos: torch.Tensor, offsets: torch.Tensor,
+                                        dout: torch.Tensor, q_heads: int, kv_heads: int) -> torch.Tensor:
+    q, k, v = _rotated_heads(qkv, sinu_pos, q_heads, kv_heads)
+    if _use_kernel(q):
+        return block_attn.block_attention_rotary_bwd(q, k, v, offsets, dout.reshape(q.shape), sinu_pos)
+
+    def rotary_attention(qkv_):
+        q_, k_, v_ = (reference.rotary_ref(t, sinu_pos) for t in _split_heads(qkv_, q_heads, kv_heads))
+        return reference.block_attention_ref(q_, k_, v_, offsets).reshape(qkv_.shape[0], -1)
+
+    return _reference_grads(rotary_attention, (qkv,), dout)[0]
+
+
+@_rotary_block_attention_backward_op.register_fake
+def _(qkv, sinu_pos, offsets, dout, q_heads, kv_heads):
+    return torch.empty_like(qkv)
+
+
+def _rotary_setup(ctx, inputs, output):
+    qkv, sinu_pos, offsets, q_heads, kv_heads = inputs
+    ctx.save_for_backward(qkv, sinu_pos, offsets)
+    ctx.heads = (q_heads, kv_heads)
+
+
+def _rotary_backward(ctx, dout):
+    qkv, sinu_pos, offsets = ctx.saved_tensors
+    dz = _rotary_block_attention_backward_op(qkv, sinu_pos, offsets, dout, *ctx.heads)
+    return dz, None, None, None, None
+
+
+_rotary_block_attention_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+
+
+def fused_projection_rotary_block_attention(x: torch.Tensor, w: torch.Tensor, sinu_pos: torch.Tensor,
+                                            offsets: torch.Tensor, q_heads: int, kv_heads: int,
+                                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Projection, rotary and block attention: the seed's fused path, with its fused rotary backward.
+
+    x [M, E], w [E, (q_heads + 2*kv_heads) * D], optional bias [(q_heads + 2*kv_heads) * D];
+    sinu_pos [M, D] (sin in the first D/2 columns, cos in the last D/2, one angle per column pair);
+    offsets [B+1]. ``qkv = x @ w + bias`` is split into q, k, v heads; rotary is applied to all three;
+    then block attention. Returns [M, q_heads * D]; differentiable in x, w and bias.
+    """
+    _check_fused_inputs(x, w, sinu_pos, offsets, q_heads, kv_heads, bias)
+    qkv = x @ w if bias is None else torch.addmm(bias, x, w)
+    return _rotary_block_attention_op(qkv, sinu_pos, offsets, q_heads, kv_heads)
