@@ -1,0 +1,615 @@
+"""`python -m jfa bench`: time every provider on the same inputs, check it first, append JSON rows.
+
+A run takes suites from `jfa.specs.BENCH_SUITES` (shapes only), builds the tensors here (lengths from
+`jfa.jagged.gem_lengths`), and for each (case, provider):
+
+1. builds the provider on every input set (`jfa.providers`); an unavailable provider becomes a row
+   with `ok: false` and the reason, never a crash;
+2. checks its output against the fp32 reference (`jfa.reference`) on a subset of sequences and
+   records how many rows were compared (`checked_rows`); a wrong output is a failed row too;
+3. times fwd and fwd+bwd with `triton.testing.do_bench` (median, after warm-up), rotating input sets
+   so a small case is not served from the L2 left by the previous call; bwd = (fwd+bwd) - fwd;
+4. appends the rows to `--out` and rewrites it at once, so a run stopped by `--max-seconds` (or
+   killed) resumes where it was: (suite, case, provider, pass) rows already present are skipped.
+
+FlexAttention needs the Triton that torch ships, not the TLX build on this process's path, so it runs
+in `scripts/flex_worker.py` with a cleaned environment and sends its rows back as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, TextIO
+
+import torch
+
+from jfa import specs
+from jfa.providers import ISOLATED_PROVIDERS, PROVIDERS, ProviderRun, ProviderUnavailable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FLEX_WORKER = REPO_ROOT / "scripts" / "flex_worker.py"
+# Environment the TLX bundles add (.gpu-bundle/activate.sh, .fa4-part2/activate.sh): a worker that
+# must see torch's own Triton starts without them.
+BUNDLE_ENV_VARS = ("EXTRA_SITE_DIRS", "TRITON_PLUGIN_PATHS", "TRITON_PTXAS_PATH", "TRITON_CUOBJDUMP_PATH",
+                   "TRITON_NVDISASM_PATH")
+PROGRESS_BAR_WIDTH = 20
+STDERR_TAIL_CHARS = 2000
+LSE_BYTES = 4  # float32 log-sum-exp per (head, output row)
+OUTPUT_ELEMENT_BYTES = 2  # every provider writes bf16 outputs (FP8 kernels included)
+
+Timer = Callable[[Callable[[], object], list], float]
+
+
+class OutputMismatch(RuntimeError):
+    """The provider ran but its output disagrees with the reference."""
+
+
+# ---- problems: the tensors of one input set of one case -------------------------------------
+@dataclass
+class Problem:
+    kind: str
+    batch: int
+    heads: int
+    head_dim: int
+    q: torch.Tensor  # [Tq, H, D]; [q_len, H, D] for pma
+    k: torch.Tensor
+    v: torch.Tensor
+    q_offsets: torch.Tensor  # int32 [B+1]; [0, q_len] for pma
+    kv_offsets: torch.Tensor
+    q_lens: list[int]  # per batch (pma: q_len repeated B times)
+    kv_lens: list[int]
+    max_q: int
+    max_kv: int
+    block_offsets: torch.Tensor | None = None  # block kind: offsets of every 64-token block
+    kv_block_idx: torch.Tensor | None = None  # block_sparse: [B, H, n_q_blocks, max_sel], -1 padded
+    kv_block_dense: torch.Tensor | None = None  # block_sparse: the same selection as [B, H, nqb, nkb] bool
+
+    @property
+    def out_rows(self) -> int:
+        return sum(self.q_lens)
+
+
+def _gem_lengths(batch: int, max_len: int, sparsity: float, seed: int) -> list[int]:
+    from jfa.jagged import gem_lengths
+
+    return [int(n) for n in gem_lengths(batch, max_len, sparsity, seed)]
+
+
+def case_lengths(case: dict) -> tuple[list[int], list[int]]:
+    """(q_lens, kv_lens) per batch; pma lists its shared q_len once per batch."""
+    batch, max_len = case["batch"], case["max_len"]
+    if case["kind"] == "dense":
+        return [max_len] * batch, [max_len] * batch
+    lengths = _gem_lengths(batch, max_len, case["sparsity"], specs.BENCH_SEED)
+    if case["kind"] == "pma":
+        return [case["q_len"]] * batch, lengths
+    if case["kv_len"] is not None:
+        return lengths, [case["kv_len"]] * batch
+    return lengths, lengths
+
+
+def _offsets(lengths: Iterable[int], device) -> torch.Tensor:
+    bounds = [0, *itertools.accumulate(lengths)]
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def _block_sizes(lengths: Iterable[int], block: int) -> list[int]:
+    """Sizes of the `block`-token blocks of each sequence, the last one partial."""
+    sizes = []
+    for n in lengths:
+        sizes += [block] * (n // block) + ([n % block] if n % block else [])
+    return sizes
+
+
+def block_sparse_selection(lengths: list[int], heads: int, density: float, seed: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random KV-block selection: each (sequence, head, query block) keeps ceil(density * n) blocks.
+
+    Returns (kv_block_idx [B, H, nqb, max_sel] int32, -1 padded, as `block_sparse_attention_ref`
+    takes it; the same as a dense [B, H, nqb, nkb] bool mask for FlexAttention).
+    """
+    block = specs.BLOCK_SPARSE_BLOCK
+    n_blocks = torch.tensor([-(-n // block) for n in lengths])
+    widest = max(int(n_blocks.max()), 1)
+    keep = torch.clamp(torch.ceil(density * n_blocks).to(torch.int64), min=1)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(len(lengths), heads, widest, widest, generator=gen)
+    beyond = torch.arange(widest)[None, :] >= n_blocks[:, None]  # [B, nkb]: blocks past the sequence
+    scores = scores.masked_fill(beyond[:, None, None, :], 2.0)  # sorted last, never kept
+    order = scores.argsort(dim=-1)
+    rank = order.argsort(dim=-1)
+    dense = (rank < keep[:, None, None, None]) & ~beyond[:, None, None, :]
+    max_sel = int(keep.max())
+    unused = torch.arange(max_sel)[None, None, None, :] >= keep[:, None, None, None]
+    idx = order[..., :max_sel].to(torch.int32).masked_fill(unused, -1)
+    return idx, dense
+
+
+def _random(shape, gen: torch.Generator, device, dtype: torch.dtype, grad: bool) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def make_problem(case: dict, device, set_index: int, lengths: tuple[list[int], list[int]] | None = None) -> Problem:
+    """Input set `set_index` of `case`: same lengths as every other set, fresh random values."""
+    q_lens, kv_lens = lengths or case_lengths(case)
+    kind, heads, head_dim = case["kind"], case["heads"], case["head_dim"]
+    dtype = getattr(torch, case["dtype"])
+    grad = kind != "fp8"  # the FP8 kernels are forward-only
+    gen = torch.Generator(device=device).manual_seed(specs.BENCH_SEED + 1 + set_index)
+    q_rows = case["q_len"] if kind == "pma" else sum(q_lens)
+    q = _random((q_rows, heads, head_dim), gen, device, dtype, grad)
+    k = _random((sum(kv_lens), heads, head_dim), gen, device, dtype, grad)
+    v = _random((sum(kv_lens), heads, head_dim), gen, device, dtype, grad)
+    q_offsets = _offsets([case["q_len"]] if kind == "pma" else q_lens, device)
+    problem = Problem(kind, case["batch"], heads, head_dim, q, k, v, q_offsets, _offsets(kv_lens, device),
+                      q_lens, kv_lens, max(q_lens, default=0), max(kv_lens, default=0))
+    if kind == "block":
+        problem.block_offsets = _offsets(_block_sizes(q_lens, specs.BLOCK_ATTENTION_BLOCK), device)
+    if kind == "block_sparse":
+        idx, dense = block_sparse_selection(q_lens, heads, case["density"], specs.BENCH_SEED)
+        problem.kv_block_idx, problem.kv_block_dense = idx.to(device), dense.to(device)
+    return problem
+
+
+# ---- what a case costs: FLOPs and compulsory bytes per pass ------------------------------------
+def case_flops(case: dict, problem: Problem, pass_: str) -> float:
+    """FLOPs by `specs.attention_flops`; block kinds count each (query block, key block) pair as a
+    small dense attention problem, so only the scores actually computed are counted."""
+    heads, head_dim = case["heads"], case["head_dim"]
+    if case["kind"] == "block":
+        sizes = _block_sizes(problem.q_lens, specs.BLOCK_ATTENTION_BLOCK)
+        return specs.attention_flops(sizes, sizes, heads, head_dim, pass_=pass_)
+    if case["kind"] == "block_sparse":
+        block = specs.BLOCK_SPARSE_BLOCK
+        dense = problem.kv_block_dense.cpu()
+        widest = dense.shape[-1]
+        starts = torch.arange(widest) * block
+        sizes = (torch.tensor(problem.q_lens)[:, None] - starts[None, :]).clamp(0, block)  # [B, nblocks]
+        picked = dense.nonzero()  # rows of (b, h, qb, kb)
+        q_sizes = sizes[picked[:, 0], picked[:, 2]].tolist()
+        kv_sizes = sizes[picked[:, 0], picked[:, 3]].tolist()
+        return specs.attention_flops(q_sizes, kv_sizes, 1, head_dim, pass_=pass_)
+    return specs.attention_flops(problem.q_lens, problem.kv_lens, heads, head_dim, pass_=pass_)
+
+
+def case_bytes(problem: Problem, pass_: str) -> float:
+    """Compulsory HBM traffic: each input read once, each output written once (roofline x-axis).
+
+    fwd reads q, k, v and writes o and the LSE; bwd reads q, k, v, o, dO and the LSE and writes dq,
+    dk, dv (plus the Delta = rowsum(o * dO) it makes and reads back).
+    """
+    row = problem.heads * problem.head_dim
+    elem = problem.q.element_size()
+    q_in, kv, out = problem.q.shape[0], problem.k.shape[0], problem.out_rows
+    fwd = row * (elem * (q_in + 2 * kv) + OUTPUT_ELEMENT_BYTES * out) + LSE_BYTES * problem.heads * out
+    bwd = (row * (elem * (2 * q_in + 4 * kv) + OUTPUT_ELEMENT_BYTES * 2 * out)
+           + 2 * LSE_BYTES * problem.heads * out)
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[pass_]
+
+
+def input_sets_for(problem: Problem) -> int:
+    """How many input sets to rotate so consecutive timed calls touch different memory."""
+    set_bytes = sum(t.numel() * t.element_size() for t in (problem.q, problem.k, problem.v))
+    return max(1, min(specs.BENCH_MAX_INPUT_SETS, math.ceil(specs.BENCH_ROTATION_BYTES / max(set_bytes, 1))))
+
+
+# ---- the reference check -------------------------------------------------------------------------
+def _checked_batches(problem: Problem) -> list[int]:
+    """The longest sequence, the shortest non-empty one, then evenly spaced ones, within the row budget."""
+    rows_of = problem.q_lens
+    nonempty = [b for b in range(problem.batch) if rows_of[b] > 0]
+    if not nonempty:
+        return []
+    candidates = [max(nonempty, key=lambda b: rows_of[b]), min(nonempty, key=lambda b: rows_of[b])]
+    stride = max(1, len(nonempty) // 64)
+    candidates += nonempty[::stride]
+    chosen, rows = [], 0
+    for b in dict.fromkeys(candidates):
+        if chosen and rows + rows_of[b] > specs.BENCH_CHECK_MAX_ROWS:
+            continue
+        chosen.append(b)
+        rows += rows_of[b]
+    return sorted(chosen)
+
+
+def _slices(offsets: torch.Tensor, batches: list[int]) -> list[slice]:
+    bounds = offsets.tolist()
+    return [slice(bounds[b], bounds[b + 1]) for b in batches]
+
+
+def _gather(t: torch.Tensor, pieces: list[slice]) -> torch.Tensor:
+    return torch.cat([t[s] for s in pieces]) if pieces else t[:0]
+
+
+def reference_rows(problem: Problem, batches: list[int]) -> tuple[torch.Tensor, list[slice]]:
+    """fp32 reference output of `batches` and where their rows sit in the provider's packed output."""
+    from jfa import reference
+
+    q, k, v = problem.q.detach(), problem.k.detach(), problem.v.detach()
+    kv_pieces = _slices(problem.kv_offsets, batches)
+    kv_sub = _offsets([problem.kv_lens[b] for b in batches], q.device)
+    if problem.kind == "pma":
+        q_len = q.shape[0]
+        out_pieces = [slice(b * q_len, (b + 1) * q_len) for b in batches]
+        ref, _ = reference.jagged_attention_ref(q, _gather(k, kv_pieces), _gather(v, kv_pieces),
+                                                problem.q_offsets, kv_sub, broadcast_q=True)
+        return ref, out_pieces
+    q_pieces = _slices(problem.q_offsets, batches)
+    q_sub = _offsets([problem.q_lens[b] for b in batches], q.device)
+    q_s, k_s, v_s = _gather(q, q_pieces), _gather(k, kv_pieces), _gather(v, kv_pieces)
+    if problem.kind == "block":
+        return reference.block_attention_ref(q_s, k_s, v_s, q_sub), q_pieces
+    if problem.kind == "block_sparse":
+        block = specs.BLOCK_SPARSE_BLOCK
+        ref, _ = reference.block_sparse_attention_ref(q_s, k_s, v_s, q_sub, kv_sub,
+                                                      problem.kv_block_idx[batches], block, block)
+        return ref, q_pieces
+    ref, _ = reference.jagged_attention_ref(q_s, k_s, v_s, q_sub, kv_sub)
+    return ref, q_pieces
+
+
+def check_output(problem: Problem, out_packed: torch.Tensor) -> dict:
+    """Compare a provider's packed output with the fp32 reference; raise OutputMismatch if wrong.
+
+    bf16/fp16: every checked element within specs.FWD_TOL. FP8 inputs: cosine similarity and SQNR
+    against the reference on the same (already quantized) inputs, as the MXFP8 work measures it.
+    """
+    expected_shape = (problem.out_rows, problem.heads, problem.head_dim)
+    if tuple(out_packed.shape) != expected_shape:
+        raise OutputMismatch(f"output shape {tuple(out_packed.shape)}, expected {expected_shape}")
+    batches = _checked_batches(problem)
+    ref, pieces = reference_rows(problem, batches)
+    got = _gather(out_packed.detach(), pieces).float()
+    ref = ref.float()
+    diff = got - ref
+    stats = {"checked_rows": int(got.shape[0]),
+             "max_abs_err": float(diff.abs().max()) if diff.numel() else 0.0,
+             "rel_err": float(diff.norm() / ref.norm().clamp_min(1e-30))}
+    if not bool(torch.isfinite(got).all()):
+        raise OutputMismatch(f"non-finite output in the {stats['checked_rows']} checked rows")
+    if problem.kind == "fp8":
+        cosine = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0))
+        sqnr_db = float(10 * torch.log10(ref.square().sum() / diff.square().sum().clamp_min(1e-30)))
+        stats.update(cosine=cosine, sqnr_db=sqnr_db)
+        if cosine < specs.MXFP8_MIN_COSINE or sqnr_db < specs.MXFP8_MIN_SQNR_DB:
+            raise OutputMismatch(f"FP8 output off: cosine {cosine:.4f} (min {specs.MXFP8_MIN_COSINE}), "
+                                 f"SQNR {sqnr_db:.1f} dB (min {specs.MXFP8_MIN_SQNR_DB})")
+        return stats
+    bad = ~torch.isclose(got, ref, **specs.FWD_TOL)
+    if bool(bad.any()):
+        raise OutputMismatch(f"{int(bad.sum())} of {bad.numel()} checked elements outside {specs.FWD_TOL} "
+                             f"(max abs err {stats['max_abs_err']:.3g}, rel err {stats['rel_err']:.3g})")
+    return stats
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+def do_bench_median(fn: Callable[[], object], grad_to_none: list) -> float:
+    """triton.testing.do_bench median in ms, with the anchors' warm-up and repetition times."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=specs.BENCH_WARMUP_MS, rep=specs.BENCH_REP_MS,
+                    grad_to_none=grad_to_none or None, return_mode="median")
+
+
+def time_passes(passes: Iterable[str], fwd: Callable[[], object], fwd_bwd: Callable[[], object] | None,
+                timer: Timer, grad_to_none: list) -> dict[str, float]:
+    """Milliseconds per requested pass. bwd is not timed alone: it is (fwd+bwd) - fwd, both medians.
+
+    Missing backward (fwd_bwd None) leaves bwd and fwd+bwd out of the result.
+    """
+    passes = list(passes)
+    need_fwd = "fwd" in passes or ("bwd" in passes and fwd_bwd is not None)
+    need_fwd_bwd = fwd_bwd is not None and ("bwd" in passes or "fwd+bwd" in passes)
+    fwd_ms = timer(fwd, []) if need_fwd else None
+    fwd_bwd_ms = timer(fwd_bwd, grad_to_none) if need_fwd_bwd else None
+    result = {}
+    if "fwd" in passes:
+        result["fwd"] = fwd_ms
+    if "fwd+bwd" in passes and fwd_bwd_ms is not None:
+        result["fwd+bwd"] = fwd_bwd_ms
+    if "bwd" in passes and fwd_bwd_ms is not None:
+        result["bwd"] = fwd_bwd_ms - fwd_ms
+    return result
+
+
+def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs calls[0], calls[1], ... in turn: a different input set every call."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def _backward_step(run: ProviderRun, grad_out: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        run.forward().backward(grad_out)
+    return step
+
+
+# ---- rows ---------------------------------------------------------------------------------------------
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, (ProviderUnavailable, OutputMismatch)):
+        return str(exc) if isinstance(exc, ProviderUnavailable) else f"wrong output: {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def shape_params(case: dict) -> dict:
+    """The case's shape fields that apply to it (None ones left out)."""
+    return {key: case[key] for key in ("kind", "batch", "heads", "head_dim", "max_len", "sparsity", "kv_len",
+                                       "q_len", "density", "dtype") if case.get(key) is not None}
+
+
+def case_params(case: dict, problem: Problem, n_sets: int) -> dict:
+    params = shape_params(case)
+    params.update(total_q=problem.q.shape[0], total_kv=problem.k.shape[0], out_rows=problem.out_rows,
+                  input_sets=n_sets)
+    return params
+
+
+def make_row(case: dict, provider: str, pass_: str, *, ms: float | None, flops: float | None, ok: bool,
+             error: str | None, params: dict) -> dict:
+    ok = ok and ms is not None and math.isfinite(ms) and ms > 0
+    if ms is not None and not ok and error is None:
+        error = f"{pass_} time not positive ({ms:.4g} ms): fwd+bwd and fwd medians too close to subtract"
+    return {"suite": case["suite"], "case": case["case"], "provider": provider, "pass": pass_,
+            "ms": ms if ok else None, "tflops": specs.tflops(flops, ms) if ok and flops else None,
+            "ok": ok, "error": None if ok else error, "params": params}
+
+
+def measure_provider(case: dict, provider: str, builder: Callable, problems: list[Problem],
+                     passes: list[str], timer: Timer) -> list[dict]:
+    """All rows of one provider on one case: check first, then time; every failure is a row."""
+    base = case_params(case, problems[0], len(problems))
+    flops = {p: case_flops(case, problems[0], p) for p in passes}
+    bytes_ = {p: case_bytes(problems[0], p) for p in passes}
+
+    def rows_for(result: dict[str, float], error: str | None, extra: dict) -> list[dict]:
+        return [make_row(case, provider, p, ms=result.get(p), flops=flops[p], ok=p in result,
+                         error=error, params={**base, **extra, "flops": flops[p], "bytes": bytes_[p]})
+                for p in passes]
+
+    extra: dict = {}
+    try:
+        runs = [builder(problem) for problem in problems]
+        extra["notes"] = runs[0].notes
+        with torch.no_grad():
+            first_out = runs[0].forward()
+        extra.update(check_output(problems[0], runs[0].to_packed(first_out)))
+        fwd = _rotating([run.forward for run in runs])
+        fwd_bwd, grads = None, []
+        if runs[0].supports_backward:
+            grad_outs = [torch.randn_like(first_out) for _ in runs]
+            fwd_bwd = _rotating([_backward_step(run, g) for run, g in zip(runs, grad_outs)])
+            grads = [t for run in runs for t in run.grad_inputs]
+        warm_up = fwd_bwd or fwd
+        for _ in runs:  # compile, autotune and first-touch every input set before any timing
+            warm_up()
+        if problems[0].q.is_cuda:
+            torch.cuda.synchronize()
+        result = time_passes(passes, fwd, fwd_bwd, timer, grads)
+    except Exception as exc:  # a broken provider is a result to report, not a reason to stop the run
+        return rows_for({}, _error_text(exc), extra)
+    finally:
+        for problem in problems:
+            for t in (problem.q, problem.k, problem.v):
+                t.grad = None
+    no_backward = f"unavailable: {provider} has no backward for the {case['kind']!r} kind"
+    rows = rows_for(result, None, extra)
+    for row in rows:
+        if not row["ok"] and row["error"] is None:
+            row["error"] = no_backward
+    return rows
+
+
+def build_problems(case: dict, device) -> list[Problem]:
+    lengths = case_lengths(case)
+    first = make_problem(case, device, 0, lengths)
+    return [first] + [make_problem(case, device, i, lengths) for i in range(1, input_sets_for(first))]
+
+
+def measure_case_in_process(case: dict, providers: list[str], passes: list[str], device="cuda",
+                            timer: Timer = do_bench_median, registry: dict | None = None) -> list[dict]:
+    """Rows of `providers` on `case`, all in this process (also the flex worker's entry point)."""
+    registry = PROVIDERS if registry is None else registry
+    problems = build_problems(case, device)
+    rows = []
+    for provider in providers:
+        rows += measure_provider(case, provider, registry[provider], problems, passes, timer)
+    return rows
+
+
+# ---- FlexAttention in its own process ------------------------------------------------------------------
+def isolated_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without the TLX/FA4 bundles: only the repository on PYTHONPATH."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in BUNDLE_ENV_VARS}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return env
+
+
+class WorkerTimeout(RuntimeError):
+    """The worker ran past the time this run had left; its case stays to do."""
+
+
+def measure_case_isolated(case: dict, provider: str, passes: list[str], timeout_s: float | None,
+                          python: str = sys.executable) -> list[dict]:
+    """Run one provider on one case in scripts/flex_worker.py; a crash becomes failed rows."""
+    with tempfile.TemporaryDirectory(prefix="jfa-worker-") as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "rows.json"
+        job.write_text(json.dumps({"case": case, "provider": provider, "passes": passes}))
+        try:
+            done = subprocess.run([python, str(FLEX_WORKER), str(job), str(out)], env=isolated_env(),
+                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise WorkerTimeout(f"{provider} worker ran past {timeout_s:.0f} s") from None
+        if done.returncode == 0 and out.exists():
+            return json.loads(out.read_text())["rows"]
+        why = f"{provider} worker exited with {done.returncode}: {done.stderr[-STDERR_TAIL_CHARS:].strip()}"
+    return [make_row(case, provider, p, ms=None, flops=None, ok=False, error=why, params=shape_params(case))
+            for p in passes]
+
+
+# ---- the results file ----------------------------------------------------------------------------------
+class ResultsFile:
+    """`{"env": {...}, "rows": [...]}` on disk, rewritten atomically after every case."""
+
+    def __init__(self, path: Path, env: dict):
+        self.path = Path(path)
+        self.data = {"env": env, "rows": []}
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text())
+            if not isinstance(self.data, dict) or not isinstance(self.data.get("rows"), list):
+                raise ValueError(f"--out {self.path}: not a jfa results file (no 'rows' list); pick another path")
+            recorded_gpu = self.data.get("env", {}).get("gpu")
+            if recorded_gpu != env.get("gpu"):
+                raise ValueError(f"--out {self.path} holds results from GPU {recorded_gpu!r}, this is "
+                                 f"{env.get('gpu')!r}: write to another file")
+
+    def key_set(self) -> set[tuple[str, str, str, str]]:
+        return {(r["suite"], r["case"], r["provider"], r["pass"]) for r in self.data["rows"]}
+
+    def drop_failed(self, suites: set[str], providers: set[str]) -> int:
+        keep = [r for r in self.data["rows"]
+                if r["ok"] or r["suite"] not in suites or r["provider"] not in providers]
+        dropped = len(self.data["rows"]) - len(keep)
+        self.data["rows"] = keep
+        return dropped
+
+    def add(self, rows: list[dict]) -> None:
+        self.data["rows"].extend(rows)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, allow_nan=False))
+        os.replace(tmp, self.path)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+def suite_cases(suites: Iterable[str], quick: bool) -> list[dict]:
+    table = specs.BENCH_QUICK_SUITES if quick else specs.BENCH_SUITES
+    return [dict(case) for suite in suites for case in table[suite]]
+
+
+def _progress(stream: TextIO, done: int, total: int, elapsed: float, label: str, rows: list[dict]) -> None:
+    filled = PROGRESS_BAR_WIDTH * done // max(total, 1)
+    bar = "#" * filled + "." * (PROGRESS_BAR_WIDTH - filled)
+    summary = "  ".join(f"{r['pass']} {r['tflops']:.1f}" if r["ok"] else f"{r['pass']} FAILED" for r in rows)
+    print(f"[{bar}] {done}/{total} {elapsed:5.0f}s  {label}  {summary}" + (" TFLOP/s" if any(r["ok"] for r in rows)
+                                                                          else ""), file=stream, flush=True)
+
+
+def run_bench(suites: list[str], providers: list[str], passes: list[str], out: Path, *, quick: bool = False,
+              max_seconds: float | None = None, redo_failed: bool = False, device="cuda",
+              timer: Timer = do_bench_median, registry: dict | None = None,
+              isolated: frozenset[str] = ISOLATED_PROVIDERS, env: dict | None = None,
+              clock: Callable[[], float] = time.monotonic, stream: TextIO = sys.stderr) -> bool:
+    """Run what `out` lacks; return True when every (case, provider, pass) is in the file."""
+    if env is None:
+        from jfa.envinfo import environment
+        env = environment()
+    results = ResultsFile(out, env)
+    if redo_failed:
+        results.drop_failed(set(suites), set(providers))
+    present = results.key_set()
+    todo = []
+    for case in suite_cases(suites, quick):
+        missing = [p for p in providers if any((case["suite"], case["case"], p, ps) not in present for ps in passes)]
+        if missing:
+            todo.append((case, missing))
+    total = sum(len(missing) for _, missing in todo)
+    started, done = clock(), 0
+    print(f"bench: {total} (case, provider) runs to do, {len(present)} rows already in {out}", file=stream)
+    for case, missing in todo:
+        problems = None
+        for provider in missing:
+            elapsed = clock() - started
+            if max_seconds is not None and elapsed >= max_seconds:
+                print(f"bench: stopped at --max-seconds {max_seconds:.0f} with {total - done} runs left; "
+                      "run the same command again to resume", file=stream)
+                return False
+            label = f"{case['suite']} {case['case']} {provider}"
+            if provider in isolated:
+                remaining = None if max_seconds is None else max_seconds - elapsed
+                try:
+                    rows = measure_case_isolated(case, provider, passes, remaining)
+                except WorkerTimeout as exc:
+                    print(f"bench: {exc}; stopping, rerun to resume", file=stream)
+                    return False
+            else:
+                problems = problems or build_problems(case, device)
+                registry_ = PROVIDERS if registry is None else registry
+                rows = measure_provider(case, provider, registry_[provider], problems, passes, timer)
+            rows = [r for r in rows if (r["suite"], r["case"], r["provider"], r["pass"]) not in present]
+            results.add(rows)
+            done += 1
+            _progress(stream, done, total, clock() - started, label, rows)
+        del problems
+    return True
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def _csv(choices: Iterable[str], what: str) -> Callable[[str], list[str]]:
+    choices = list(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if names == ["all"]:
+            return choices
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown or text!r}; choose from {','.join(choices)} "
+                                             "or 'all' (comma-separated)")
+        return names
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-seconds takes a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--max-seconds must be > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jfa bench",
+        description="Time attention providers on the benchmark suites of jfa.specs; append rows to a JSON file.")
+    parser.add_argument("--suite", required=True, type=_csv(specs.BENCH_SUITES, "suite"),
+                        help=f"comma-separated suites: {','.join(specs.BENCH_SUITES)} or all")
+    parser.add_argument("--providers", default=list(specs.BENCH_PROVIDERS), type=_csv(specs.BENCH_PROVIDERS, "provider"),
+                        help=f"comma-separated providers (default all): {','.join(specs.BENCH_PROVIDERS)}")
+    parser.add_argument("--passes", default=["fwd", "bwd"], type=_csv(specs.BENCH_PASSES, "pass"),
+                        help="comma-separated passes: fwd,bwd,fwd+bwd (default fwd,bwd)")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="results JSON; rows already there are skipped (resume), new rows appended")
+    parser.add_argument("--quick", action="store_true", help="toy sizes of every suite, for smoke runs")
+    parser.add_argument("--max-seconds", type=_positive_seconds, default=None,
+                        help="stop cleanly before starting work past this many seconds (rerun to resume)")
+    parser.add_argument("--redo-failed", action="store_true",
+                        help="drop failed rows of these suites/providers from --out and run them again")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU; on this machine render recorded runs with "
+              "`python -m jfa report results/*.json -o results/report.html`", file=sys.stderr)
+        return 2
+    try:
+        complete = run_bench(args.suite, args.providers, args.passes, args.out, quick=args.quick,
+                             max_seconds=args.max_seconds, redo_failed=args.redo_failed)
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"bench: {'complete' if complete else 'INCOMPLETE (rerun to resume)'}: {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,269 @@
+"""Benchmark providers: one builder per attention implementation, all fed the same `Problem`.
+
+A builder takes one input set (`jfa.bench.Problem`) and returns a `ProviderRun`: a `forward` closure
+that launches the provider's kernel on tensors prepared outside the timed region, a `to_packed`
+function that turns its raw output into the packed `[T_out, H, D]` layout of the reference, and the
+leaf tensors whose gradients the backward fills. A builder that cannot serve the problem raises
+`ProviderUnavailable` with the reason ("no FP8 in FA2", "flash_attn_interface not importable"), which
+the benchmark records as a failed row instead of a number.
+
+Layout conversions a peer needs (Q expanded B times for broadcast-Q, [B, H, N, D] for SDPA) are done
+once here, never inside `forward`, so the timed region holds the peer's kernel only; the `note`
+says what was done so the report can show it.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from jfa import specs
+
+if TYPE_CHECKING:
+    from jfa.bench import Problem
+
+# Kinds a peer's varlen API covers directly. Block attention rides on it too: every 64-token block
+# is handed over as its own sequence (the problem carries the block offsets).
+VARLEN_KINDS = ("jagged", "pma", "dense", "block")
+EXPANDED_Q_NOTE = "Q expanded B times outside the timed region (peer has no broadcast-Q); dQ is not summed"
+BLOCKS_AS_SEQUENCES_NOTE = "each 64-token block passed as its own sequence"
+
+
+class ProviderUnavailable(RuntimeError):
+    """The provider cannot run this problem here; the message says why (it starts with 'unavailable:')."""
+
+    def __init__(self, why: str):
+        super().__init__(f"unavailable: {why}")
+
+
+@dataclass
+class ProviderRun:
+    forward: Callable[[], torch.Tensor]
+    to_packed: Callable[[torch.Tensor], torch.Tensor]
+    grad_inputs: list[torch.Tensor]
+    supports_backward: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def _import(module: str, provider: str):
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # any import failure (missing package, ABI, CUDA) means "not here"
+        raise ProviderUnavailable(f"{provider}: `import {module}` failed ({type(exc).__name__}: {exc})") from None
+
+
+def _require_kind(problem: Problem, provider: str, kinds) -> None:
+    if problem.kind not in kinds:
+        raise ProviderUnavailable(f"{provider} has no API for the {problem.kind!r} kind")
+
+
+@dataclass
+class _Varlen:
+    """The arguments every varlen API shares, with broadcast-Q expanded and blocks as sequences."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    max_q: int
+    max_kv: int
+    notes: list[str]
+
+
+def _varlen_args(problem: Problem, provider: str) -> _Varlen:
+    _require_kind(problem, provider, VARLEN_KINDS)
+    q, k, v = problem.q, problem.k, problem.v
+    cu_q, cu_kv, max_q, max_kv, notes = problem.q_offsets, problem.kv_offsets, problem.max_q, problem.max_kv, []
+    if problem.kind == "pma":
+        batch = problem.batch
+        q = problem.q.detach().repeat(batch, 1, 1).requires_grad_(problem.q.requires_grad)
+        cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * problem.q.shape[0]
+        notes.append(EXPANDED_Q_NOTE)
+    if problem.kind == "block":
+        cu_q = cu_kv = problem.block_offsets
+        max_q = max_kv = specs.BLOCK_ATTENTION_BLOCK
+        notes.append(BLOCKS_AS_SEQUENCES_NOTE)
+    return _Varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, notes)
+
+
+def _first(out):
+    """Some APIs return (out, lse) depending on version or flags; the benchmark needs out."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _identity(out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+# ---- jfa -------------------------------------------------------------------------------------
+def build_jfa(problem: Problem) -> ProviderRun:
+    """Our kernels through the public API; refuses to time the reference fallback."""
+    jfa = _import("jfa", "jfa")
+    q, k, v = problem.q, problem.k, problem.v
+    grads = [q, k, v]
+    if problem.kind in ("jagged", "pma", "dense"):
+        fwd_kernels = _import("jfa.kernels.jagged_fwd", "jfa")
+        if not fwd_kernels.is_supported(q):
+            raise ProviderUnavailable("jfa.kernels.jagged_fwd.is_supported(q) is False here (would time the reference)")
+        if not hasattr(jfa, "jagged_attention"):
+            raise ProviderUnavailable("jfa.jagged_attention is not defined yet")
+        args = (q, k, v, problem.q_offsets, problem.kv_offsets, problem.max_q, problem.max_kv)
+        broadcast_q = problem.kind == "pma"
+        return ProviderRun(lambda: jfa.jagged_attention(*args, broadcast_q=broadcast_q), _identity, grads)
+    if problem.kind == "block":
+        if not hasattr(jfa, "block_attention"):
+            raise ProviderUnavailable("jfa.block_attention is not defined yet")
+        return ProviderRun(lambda: jfa.block_attention(q, k, v, problem.q_offsets), _identity, grads)
+    if problem.kind == "block_sparse":
+        if not hasattr(jfa, "block_sparse_attention"):
+            raise ProviderUnavailable("jfa.block_sparse_attention is not defined yet")
+        block = specs.BLOCK_SPARSE_BLOCK
+        args = (q, k, v, problem.q_offsets, problem.kv_offsets, problem.kv_block_idx, block, block)
+        return ProviderRun(lambda: _first(jfa.block_sparse_attention(*args)), _identity, grads)
+    if problem.kind == "fp8":
+        if not hasattr(jfa, "jagged_attention_fp8"):
+            raise ProviderUnavailable("jfa.jagged_attention_fp8 is not defined yet")
+        args = (q.detach(), k.detach(), v.detach(), problem.q_offsets, problem.kv_offsets, problem.max_q,
+                problem.max_kv)
+        return ProviderRun(lambda: _first(jfa.jagged_attention_fp8(*args)), _identity, [], supports_backward=False)
+    raise ProviderUnavailable(f"jfa has no entry point for the {problem.kind!r} kind")
+
+
+# ---- FlashAttention 2 (PyTorch's varlen_attn), 3 and 4 ------------------------------------------
+def build_fa2(problem: Problem) -> ProviderRun:
+    """FlashAttention-2 as shipped in PyTorch: `torch.nn.attention.varlen.varlen_attn`."""
+    varlen = _import("torch.nn.attention.varlen", "fa2")
+    a = _varlen_args(problem, "fa2")
+    # Positional: the first seven parameters are the same in torch 2.11 and 2.13 (keywords differ).
+    return ProviderRun(lambda: varlen.varlen_attn(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv),
+                       _identity, [a.q, a.k, a.v], notes=a.notes)
+
+
+def build_fa3(problem: Problem) -> ProviderRun:
+    """FlashAttention-3 (`flash_attn_interface`), the Hopper kernels; also its FP8 forward."""
+    fa3 = _import("flash_attn_interface", "fa3")
+    if problem.kind == "fp8":
+        q, k, v = problem.q.detach(), problem.k.detach(), problem.v.detach()
+        run = lambda: _first(fa3.flash_attn_varlen_func(q, k, v, problem.q_offsets, problem.kv_offsets,  # noqa: E731
+                                                        problem.max_q, problem.max_kv))
+        return ProviderRun(run, _identity, [], supports_backward=False)
+    a = _varlen_args(problem, "fa3")
+    return ProviderRun(lambda: _first(fa3.flash_attn_varlen_func(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv)),
+                       _identity, [a.q, a.k, a.v], notes=a.notes)
+
+
+def build_fa4(problem: Problem) -> ProviderRun:
+    """FlashAttention-4 (CuTe DSL, `flash_attn.cute`); on Hopper it runs its sm90 path."""
+    cute = _import("flash_attn.cute", "fa4")
+    a = _varlen_args(problem, "fa4")
+    run = lambda: _first(cute.flash_attn_varlen_func(a.q, a.k, a.v, cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv,  # noqa: E731
+                                                     max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv))
+    return ProviderRun(run, _identity, [a.q, a.k, a.v], notes=a.notes)
+
+
+# ---- SDPA (dense only) -------------------------------------------------------------------------
+def _build_sdpa(problem: Problem, backend_name: str, provider: str) -> ProviderRun:
+    _require_kind(problem, provider, ("dense",))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+    batch, seq = problem.batch, problem.max_q
+
+    def to_bhnd(t: torch.Tensor) -> torch.Tensor:
+        dense = t.detach().reshape(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
+        return dense.requires_grad_(t.requires_grad)
+
+    q, k, v = to_bhnd(problem.q), to_bhnd(problem.k), to_bhnd(problem.v)
+
+    def forward() -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def to_packed(out: torch.Tensor) -> torch.Tensor:
+        return out.transpose(1, 2).reshape(batch * seq, out.shape[1], out.shape[3])
+
+    return ProviderRun(forward, to_packed, [q, k, v], notes=["[B, H, N, D] layout made outside the timed region"])
+
+
+def build_sdpa_cudnn(problem: Problem) -> ProviderRun:
+    return _build_sdpa(problem, "CUDNN_ATTENTION", "sdpa_cudnn")
+
+
+def build_sdpa_flash(problem: Problem) -> ProviderRun:
+    return _build_sdpa(problem, "FLASH_ATTENTION", "sdpa_flash")
+
+
+# ---- FlexAttention (stock Triton, own process) ---------------------------------------------------
+def _row_labels(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Sequence index of every packed row (int32), built from offsets without any T x T tensor."""
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    labels = torch.arange(len(lengths), device=offsets.device, dtype=torch.int32)
+    return torch.repeat_interleave(labels, lengths, output_size=rows)
+
+
+def _flex_mask_mod(problem: Problem, q_rows: int, q_offsets: torch.Tensor):
+    """The document mask (plus the block pattern for block / block-sparse) as a flex mask_mod."""
+    q_doc = _row_labels(q_offsets, q_rows)
+    kv_doc = _row_labels(problem.kv_offsets, problem.k.shape[0])
+    if problem.kind == "block":
+        q_blk = _row_labels(problem.block_offsets, q_rows)  # self-attention: one block id per row
+        return lambda b, h, q_idx, kv_idx: q_blk[q_idx] == q_blk[kv_idx]
+    if problem.kind != "block_sparse":
+        return lambda b, h, q_idx, kv_idx: q_doc[q_idx] == kv_doc[kv_idx]
+    block = specs.BLOCK_SPARSE_BLOCK
+    picked = problem.kv_block_dense  # [B, H, n_q_blocks, n_kv_blocks] bool
+    q_pos = torch.arange(q_rows, device=q_doc.device, dtype=torch.int32) - q_offsets[:-1][q_doc.long()]
+    kv_pos = (torch.arange(problem.k.shape[0], device=q_doc.device, dtype=torch.int32)
+              - problem.kv_offsets[:-1][kv_doc.long()])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = q_doc[q_idx] == kv_doc[kv_idx]
+        return same & picked[q_doc[q_idx], h, q_pos[q_idx] // block, kv_pos[kv_idx] // block]
+    return mask_mod
+
+
+def build_flex(problem: Problem) -> ProviderRun:
+    """FlexAttention with a document mask; run only by scripts/flex_worker.py (stock Triton)."""
+    _require_kind(problem, "flex", ("jagged", "pma", "dense", "block", "block_sparse"))
+    flex = _import("torch.nn.attention.flex_attention", "flex")
+    q_offsets, notes = problem.q_offsets, []
+    q_src = problem.q
+    if problem.kind == "pma":
+        q_src = problem.q.detach().repeat(problem.batch, 1, 1).requires_grad_(problem.q.requires_grad)
+        q_offsets = torch.arange(problem.batch + 1, device=q_src.device, dtype=torch.int32) * problem.q.shape[0]
+        notes.append(EXPANDED_Q_NOTE)
+
+    def to_1htd(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().transpose(0, 1).contiguous().unsqueeze(0).requires_grad_(t.requires_grad)
+
+    q, k, v = to_1htd(q_src), to_1htd(problem.k), to_1htd(problem.v)
+    mask_mod = _flex_mask_mod(problem, q.shape[2], q_offsets)
+    # _compile=True builds the block mask block by block: no [Tq, Tk] boolean is ever allocated.
+    # Block-sparse selections differ per head, so only that kind builds a per-head mask.
+    heads = problem.heads if problem.kind == "block_sparse" else None
+    block_mask = flex.create_block_mask(mask_mod, None, heads, q.shape[2], k.shape[2], device=q.device,
+                                        _compile=True)
+    compiled = torch.compile(flex.flex_attention, dynamic=False)
+    notes.append("document mask via create_block_mask(_compile=True); flex_attention under torch.compile")
+
+    def to_packed(out: torch.Tensor) -> torch.Tensor:
+        return out[0].transpose(0, 1)
+
+    return ProviderRun(lambda: compiled(q, k, v, block_mask=block_mask), to_packed, [q, k, v], notes=notes)
+
+
+PROVIDERS: dict[str, Callable[[Problem], ProviderRun]] = {
+    "jfa": build_jfa,
+    "fa2": build_fa2,
+    "fa3": build_fa3,
+    "fa4": build_fa4,
+    "flex": build_flex,
+    "sdpa_cudnn": build_sdpa_cudnn,
+    "sdpa_flash": build_sdpa_flash,
+}
+# FlexAttention compiles with the Triton that torch ships; the TLX Triton on the bench process's
+# path would shadow it, so these run in scripts/flex_worker.py with a cleaned environment.
+ISOLATED_PROVIDERS = frozenset({"flex"})
+assert tuple(PROVIDERS) == specs.BENCH_PROVIDERS, "specs.BENCH_PROVIDERS and the registry must agree"
