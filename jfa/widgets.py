@@ -13,7 +13,9 @@ K/V ring simulator (notebook 02); the shared-memory / register / tensor-memory b
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -37,7 +39,53 @@ def setup_notebook() -> None:
     pio.templates.default = "plotly_white"
 
 
+# ==== the environment ===========================================================================
+def live_gpu() -> bool:
+    """True where the sm_90 TLX kernels can run here; elsewhere the notebooks show recorded runs."""
+    from jfa.envinfo import gpu_status
+
+    return gpu_status()[0]
+
+
+ENV_KEYS = ("python", "torch", "cuda", "triton", "tlx", "fa4", "gpu", "sm", "driver", "commit")
+
+
+def environment_markdown() -> str:
+    """Versions, the GPU, and what runs live here versus what is shown from recorded runs."""
+    from jfa.envinfo import environment, gpu_status, tlx_status
+
+    env = environment()
+    tlx_ok, tlx_why = tlx_status()
+    gpu_ok, gpu_why = gpu_status()
+    rows = [(key, env[key] if env[key] is not None else "-") for key in ENV_KEYS]
+    rows += [
+        ("TLX kernels compile here", "yes, for sm_90 and sm_100" if tlx_ok else f"no ({tlx_why})"),
+        ("TLX kernels run here", f"yes, on {gpu_why}" if gpu_ok else f"no ({gpu_why})"),
+        ("numbers shown", "measured live on this GPU" if gpu_ok
+         else "PyTorch references run live; GPU numbers come from recorded H200 runs in results/, labeled"),
+    ]
+    return "\n".join(["| | |", "|---|---|"] + [f"| {key} | {value} |" for key, value in rows])
+
+
 # ==== recorded results ==========================================================================
+def results_dir() -> Path:
+    """Where new recordings go: $JFA_RESULTS_DIR (e.g. $OUT on the GPU host), else results/."""
+    return Path(os.environ.get("JFA_RESULTS_DIR") or RESULTS_DIR)
+
+
+def save_recording(kind: str, payload: dict, directory: Path | None = None) -> Path:
+    """Write `<directory>/<kind>-<UTC stamp>.json`: the payload next to the environment block that
+    produced it, so a notebook run on the GPU host leaves a recording the CPU notebooks can show."""
+    from jfa.envinfo import environment
+
+    directory = results_dir() if directory is None else Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = directory / f"{kind}-{stamp}.json"
+    path.write_text(json.dumps({"kind": kind, "env": environment(), **payload}, indent=1, default=str) + "\n")
+    return path
+
+
 @dataclasses.dataclass
 class Recorded:
     """One results JSON: its path, its content, and whether it is a small fixture from results/recorded/."""
@@ -457,4 +505,69 @@ def budget_panel(**defaults):
             return Text(budget_text(attention_budget(dataclasses.replace(cfg, **values))))
         except ValueError as exc:  # an impossible combination is shown, not raised, in a live panel
             return Text(f"not a valid configuration: {exc}")
+    return panel(controls, render)
+
+
+# ==== tutorial 2's ring on the GPU: depth x tile-size sweep =====================================
+T02_SWEEP_KIND = "t02-ring-sweep"
+T02_SWEEP_SHAPE = (8192, 32768)  # 512 MiB of fp16: far beyond L2, so every tile comes from HBM
+T02_BLOCK_NS = (64, 128, 256)
+
+
+def measure_t02_sweep(block_ns=T02_BLOCK_NS, depths=None, block_m: int = 64) -> list[dict]:
+    """Time tutorial 2's row-sum kernel (GPU only) at every ring depth and tile width; TB/s read."""
+    import torch
+    import triton
+
+    from tutorials import t02_pipelined_ring as t02
+
+    depths = t02.BENCH_DEPTHS if depths is None else depths
+    n_rows, n_cols = T02_SWEEP_SHAPE
+    x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.float16)
+    rows = []
+    for block_n in block_ns:
+        for depth in depths:
+            ms = triton.testing.do_bench(lambda: t02.row_sums(x, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=depth))
+            rows.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=depth, ms=ms,
+                             tbps=x.numel() * x.element_size() / (ms * 1e-3) / 1e12))
+    return rows
+
+
+def t02_sweep_figure(rows: list[dict], title: str):
+    """Read bandwidth against ring depth, one line per tile width, with the H200 copy ceiling."""
+    import plotly.graph_objects as go
+
+    from jfa.specs import H200_COPY_TBPS
+
+    fig = go.Figure()
+    for block_n in sorted({r["BLOCK_N"] for r in rows}):
+        chosen = sorted((r for r in rows if r["BLOCK_N"] == block_n), key=lambda r: r["NUM_STAGES"])
+        fig.add_trace(go.Scatter(x=[r["NUM_STAGES"] for r in chosen], y=[r["tbps"] for r in chosen],
+                                 mode="lines+markers", name=f"BLOCK_N={block_n}"))
+    fig.add_hline(y=H200_COPY_TBPS, line_dash="dot", annotation_text="H200 copy (read+write)")
+    fig.update_layout(title=title, xaxis_title="ring depth (NUM_STAGES)", yaxis_title="TB/s read",
+                      height=320, margin=dict(l=60, r=20, t=50, b=40))
+    return fig
+
+
+def t02_sweep_panel():
+    """Pick tile widths; the plot shows live timings on a Hopper GPU, else the newest recorded sweep."""
+    import ipywidgets
+
+    if live_gpu():
+        rows, source = measure_t02_sweep(), "measured live"
+        save_recording(T02_SWEEP_KIND, {"rows": rows})
+    else:
+        rec = newest_recorded(f"{T02_SWEEP_KIND}-*.json")
+        if rec is None:
+            print(f"{NO_RECORDING} of the tutorial 2 ring sweep (run this notebook on the GPU host to record one)")
+            return None
+        rows, source = rec.doc["rows"], rec.provenance()
+    print(source)
+    controls = {"block_ns": ipywidgets.SelectMultiple(options=sorted({r["BLOCK_N"] for r in rows}),
+                                                      value=tuple(sorted({r["BLOCK_N"] for r in rows})),
+                                                      description="BLOCK_N")}
+
+    def render(block_ns):
+        return t02_sweep_figure([r for r in rows if r["BLOCK_N"] in block_ns], "tutorial 2: ring depth vs bandwidth")
     return panel(controls, render)
