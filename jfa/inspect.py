@@ -10,7 +10,9 @@ with `triton.compile(..., target=GPUTarget("cuda", 90 | 100, 32))` and read the 
 Where each fact comes from:
 
 - roles and warps: the TTGIR `ttg.warp_specialize` op. Its `default` region runs on the kernel's
-  `num_warps` warps; each `partitionN(...) num_warps(K)` region is one more role.
+  `num_warps` warps; each `partitionN(...) num_warps(K)` region is one more role. Because
+  `setmaxnreg` acts on whole warpgroups (4 warps), the allocation pass may add an idle partition
+  that pads the warp count up to a multiple of 4; the report lists it as "padding".
 - registers: the same op's `requestedRegisters` (what `tlx.async_task(registers=...)` asked for)
   and `actualRegisters` (what every role, the default one included, will run with). Triton adds
   `actualRegisters` in its warp-group allocation pass, which runs inside the LLVM lowering, so we
@@ -149,7 +151,7 @@ def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
     return KernelReport(
         name=spec.name,
         target=target,
-        roles=_roles(_allocate_warp_groups(ttgir, target), spec),
+        roles=_roles(_allocate_warp_groups(ttgir, target), len(_PARTITION.findall(ttgir)), spec),
         total_warps=kernel.metadata.num_warps,
         shared_bytes=kernel.metadata.shared,
         tmem_columns=tmem_columns,
@@ -235,18 +237,25 @@ def _allocate_warp_groups(ttgir: str, target: str) -> str:
 
 
 _INT_ARRAY = r"array<i32(?::\s*([\d,\s]*))?>"
+_PARTITION = re.compile(r"^\s*partition\d+\(.*num_warps\((\d+)\)", re.M)
 
 
-def _roles(ttgir: str, spec: KernelSpec) -> list:
-    """Roles from the first `ttg.warp_specialize` op; one role of `num_warps` if there is none."""
+def _roles(ttgir: str, user_partitions: int, spec: KernelSpec) -> list:
+    """Roles from the first `ttg.warp_specialize` op; one role of `num_warps` if there is none.
+
+    `ttgir` is the module after warp-group allocation; partitions past the first
+    `user_partitions` were added by that pass as padding.
+    """
     default_warps = int(re.search(r'"ttg.num-warps"\s*=\s*(\d+)', ttgir).group(1))
     op = re.search(r"ttg\.warp_specialize\(.*", ttgir)
-    partition_warps = [int(w) for w in re.findall(r"^\s*partition\d+\(.*num_warps\((\d+)\)", ttgir, re.M)]
+    partition_warps = [int(w) for w in _PARTITION.findall(ttgir)]
     warps = [default_warps] + partition_warps
     requested = [None] + _int_array(op.group(0) if op else "", "requestedRegisters", len(partition_warps))
     actual = _int_array(op.group(0) if op else "", "actualRegisters", len(warps))
-    ttgir_names = ["default"] + [f"partition{i}" for i in range(len(partition_warps))]
-    names = list(spec.role_names[:len(warps)]) + ttgir_names[len(spec.role_names):]
+    ttgir_names = ["default"] + [f"partition{i}" if i < user_partitions else "padding"
+                                 for i in range(len(partition_warps))]
+    names = list(spec.role_names[:1 + user_partitions])
+    names += ttgir_names[len(names):]
     return [Role(name=names[i], warps=warps[i], requested_registers=requested[i],
                  registers=None if actual[i] is None else min(actual[i], SETMAXNREG_MAX))
             for i in range(len(warps))]

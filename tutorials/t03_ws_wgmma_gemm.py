@@ -1,0 +1,138 @@
+"""
+Tutorial 3: a warp-specialized wgmma GEMM with per-role register budgets
+========================================================================
+
+Why. On Hopper the tensor cores are driven by ``wgmma``: one *warpgroup* (4 warps, 128 threads)
+issues an asynchronous matrix multiply whose operands come from shared memory and whose fp32
+accumulator lives in that warpgroup's registers. A 64x128 fp32 accumulator is 64 registers per
+thread; with the loop state around it a consumer wants ~200 registers. The register file is
+fixed (64K 32-bit registers per SM), so the budget matters: a producer that only issues TMA copies
+needs ~40, and every register it does not take can go to the math. ``setmaxnreg`` moves registers
+between warpgroups at run time; TLX emits it from ``tlx.async_task(..., registers=N)``.
+
+How. Three warpgroups in one CTA:
+
+- the **producer** (default task) streams A and B tiles through a ``NUM_STAGES`` ring (tutorial 2);
+- **two consumers** (``replicate=2``) each own one half of the 128-row output tile. They share the
+  B tile and read their own half of A; ``tlx.async_task_replica_id()`` tells them apart.
+
+One ``full`` barrier per stage covers the three copies of that stage (expected bytes: both A halves
+plus B); one ``empty`` barrier per stage needs both consumers' arrivals (``arrive_count=2``)
+before the producer may refill it. Each consumer issues ``tlx.async_dot`` (a wgmma) and waits
+for it with ``tlx.async_dot_wait`` before releasing the stage; the epilogue converts the
+accumulator to fp16 and writes it with a TMA store.
+
+The inspect report shows the result: three roles, the consumers at 232 registers, the producer
+at what is left, ``wgmma.mma_async`` and ``setmaxnreg`` in the PTX.
+"""
+import torch
+import triton
+import triton.language as tl
+import triton.language.extra.tlx as tlx
+
+from jfa.inspect import KernelSpec
+from jfa.specs import FWD_TOL, TMA_ALIGN_BYTES
+
+NUM_CONSUMERS = tl.constexpr(2)  # consumer warpgroups, each owning BLOCK_M // 2 output rows
+CONSUMER_REGISTERS = tl.constexpr(232)
+DEFAULT_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3)
+
+
+@triton.jit
+def ws_gemm_kernel(a_desc, b_desc, c_desc, K,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
+    HALF_M: tl.constexpr = BLOCK_M // NUM_CONSUMERS
+    # Stage s holds A halves at a_ring[s * NUM_CONSUMERS + consumer] and B at b_ring[s].
+    a_ring = tlx.local_alloc((HALF_M, BLOCK_K), tlx.dtype_of(a_desc), NUM_STAGES * NUM_CONSUMERS)
+    b_ring = tlx.local_alloc((BLOCK_K, BLOCK_N), tlx.dtype_of(b_desc), NUM_STAGES)
+    full = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+    empty = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
+    off_m = tl.program_id(0) * BLOCK_M
+    off_n = tl.program_id(1) * BLOCK_N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    with tlx.async_tasks():
+        with tlx.async_task("default"):  # producer
+            elem_bytes: tl.constexpr = tlx.size_of(tlx.dtype_of(a_desc))
+            for k in range(k_tiles):
+                slot = k % NUM_STAGES
+                phase = (k // NUM_STAGES) & 1
+                tlx.barrier_wait(empty[slot], phase ^ 1)
+                tlx.barrier_expect_bytes(full[slot], (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * elem_bytes)
+                for half in tl.static_range(NUM_CONSUMERS):
+                    tlx.async_descriptor_load(a_desc, a_ring[slot * NUM_CONSUMERS + half],
+                                              [off_m + half * HALF_M, k * BLOCK_K], full[slot])
+                tlx.async_descriptor_load(b_desc, b_ring[slot], [k * BLOCK_K, off_n], full[slot])
+
+        with tlx.async_task(num_warps=4, registers=CONSUMER_REGISTERS, replicate=NUM_CONSUMERS):
+            consumer = tlx.async_task_replica_id()
+            acc = tl.zeros([HALF_M, BLOCK_N], dtype=tl.float32)
+            for k in range(k_tiles):
+                slot = k % NUM_STAGES
+                phase = (k // NUM_STAGES) & 1
+                tlx.barrier_wait(full[slot], phase)
+                acc = tlx.async_dot(a_ring[slot * NUM_CONSUMERS + consumer], b_ring[slot], acc)
+                # The wgmma reads shared memory asynchronously: the stage is free only once it is done.
+                acc = tlx.async_dot_wait(0, acc)
+                tlx.barrier_arrive(empty[slot])
+            c_desc.store([off_m + consumer * HALF_M, off_n], acc.to(tlx.dtype_of(c_desc)))
+
+
+def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, **cfg) -> torch.Tensor:
+    """``a @ b`` for fp16 CUDA matrices (fp32 accumulation), written into `out` (or a new tensor)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = DEFAULT_CONFIG | cfg
+    for arg, t in (("a", a), ("b", b)):
+        if t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float16:
+            raise ValueError(f"{arg} must be a contiguous 2-D float16 tensor, got {t.dtype} {tuple(t.shape)}")
+        if (t.shape[1] * t.element_size()) % TMA_ALIGN_BYTES:
+            raise ValueError(f"TMA needs {TMA_ALIGN_BYTES}-byte aligned rows: pad {arg}.shape[1] ({t.shape[1]})")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty(M, N, device=a.device, dtype=a.dtype) if out is None else out
+    half_m = cfg["BLOCK_M"] // NUM_CONSUMERS.value
+    a_desc = TensorDescriptor(a, shape=[M, K], strides=[K, 1], block_shape=[half_m, cfg["BLOCK_K"]])
+    b_desc = TensorDescriptor(b, shape=[K, N], strides=[N, 1], block_shape=[cfg["BLOCK_K"], cfg["BLOCK_N"]])
+    c_desc = TensorDescriptor(c, shape=[M, N], strides=[N, 1], block_shape=[half_m, cfg["BLOCK_N"]])
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    ws_gemm_kernel[grid](a_desc, b_desc, c_desc, K, **cfg)
+    return c
+
+
+def inspect_spec(**cfg) -> KernelSpec:
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect`."""
+    cfg = DEFAULT_CONFIG | cfg
+    half_m = cfg["BLOCK_M"] // NUM_CONSUMERS.value
+    return KernelSpec(
+        fn=ws_gemm_kernel,
+        signature={"a_desc": f"tensordesc<fp16[{half_m},{cfg['BLOCK_K']}]>",
+                   "b_desc": f"tensordesc<fp16[{cfg['BLOCK_K']},{cfg['BLOCK_N']}]>",
+                   "c_desc": f"tensordesc<fp16[{half_m},{cfg['BLOCK_N']}]>", "K": "i32"},
+        constexprs=cfg, num_warps=4, role_names=("producer", "consumer0", "consumer1"), target="sm_90")
+
+
+def run_check(M: int = 1000, N: int = 776, K: int = 520, seed: int = 0) -> None:
+    """Against an fp32 torch matmul on fresh random data; `c` poisoned, every element checked."""
+    torch.manual_seed(seed)
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
+    c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+    ws_gemm(a, b, out=c)
+    expected = a.float() @ b.float()
+    torch.testing.assert_close(c.float(), expected, **FWD_TOL)
+    print(f"t03 check passed: ({M}x{K}) @ ({K}x{N}) against fp32 torch")
+
+
+if __name__ == "__main__":
+    from jfa.inspect import inspect
+    from tutorials import hopper_tlx_available
+
+    print(inspect(inspect_spec()).to_text())
+    ready, why = hopper_tlx_available()
+    if ready:
+        run_check()
+    else:
+        print(f"\nGPU check skipped: {why}")
