@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import re
 import sys
@@ -184,12 +185,17 @@ def _compile(spec: KernelSpec, target: str):
 
     source = ASTSource(fn=spec.fn, signature=_full_signature(spec), constexprs=spec.constexprs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
-    with _stderr_captured() as log:
+    # On a verifier failure Triton prints the whole module to stdout; the report keeps the diagnostics.
+    with _stderr_captured() as log, contextlib.redirect_stdout(io.StringIO()):
         try:
-            return triton.compile(source, target=GPUTarget("cuda", INSPECT_TARGETS[target], WARP_SIZE),
-                                  options=options)
+            kernel = triton.compile(source, target=GPUTarget("cuda", INSPECT_TARGETS[target], WARP_SIZE),
+                                    options=options)
+            error = None
         except Exception as exc:
             error = exc
+    if error is None:
+        sys.stderr.write(log[0])  # warnings of a successful compile are the user's to see
+        return kernel
     diagnostics = [line for line in log[0].splitlines() if "error" in line.lower()]
     detail = "\n".join(diagnostics[-5:]) or f"{type(error).__name__}: {error}"
     raise KernelCompileError(f"compiling kernel {spec.name!r} for {target} failed:\n{detail}") from error
@@ -199,8 +205,8 @@ def _compile(spec: KernelSpec, target: str):
 def _stderr_captured():
     """MLIR prints compile diagnostics on the process's stderr, not in the Python exception.
 
-    Capture them (file descriptor 2) so a failure can name its cause; pass them on otherwise.
-    The captured text is delivered as `log[0]` once the block ends.
+    Capture them (file descriptor 2) so a failure can name its cause. The captured text is
+    delivered as `log[0]` once the block ends.
     """
     sys.stderr.flush()
     saved_fd = os.dup(2)

@@ -1,0 +1,90 @@
+"""jfa.inspect on the tutorials: compile-only reports, no GPU needed (compiles are cached on disk)."""
+import dataclasses
+
+import pytest
+
+from jfa.inspect import KernelCompileError, KernelSpec, inspect
+from tutorials import t01_ws_producer_consumer as t01
+from tutorials import t03_ws_wgmma_gemm as t03
+from tutorials import t05_blackwell_tmem_gemm as t05
+
+
+@pytest.fixture(scope="module")
+def t01_report():
+    return inspect(t01.inspect_spec(), target="sm_90", want_ptx=True, want_ttgir=True)
+
+
+def test_t01_has_a_producer_and_a_consumer(t01_report):
+    roles = {role.name: role for role in t01_report.roles}
+    assert list(roles) == ["producer", "consumer"]
+    assert roles["producer"].warps == 4 and roles["consumer"].warps == 4
+    assert roles["consumer"].requested_registers == 232
+    assert roles["consumer"].registers == 232
+    assert roles["producer"].registers is not None and roles["producer"].registers > 0
+    assert t01_report.total_warps == 8 and t01_report.threads == 256
+
+
+def test_t01_pipeline_instructions_and_shared_memory(t01_report):
+    assert t01_report.instructions["TMA load (cp.async.bulk.tensor g->s)"] > 0
+    assert t01_report.instructions["mbarrier.try_wait"] > 0
+    assert t01_report.instructions["mbarrier.arrive (all)"] > 0
+    assert t01_report.instructions["mbarrier.init"] > 0
+    assert t01_report.instructions["wgmma.mma_async"] == 0
+    ring_bytes = 2 * 64 * 128 * 2  # two fp16 64x128 slots
+    assert t01_report.shared_bytes >= ring_bytes
+    assert t01_report.tmem_columns is None
+
+
+def test_t01_report_text_dict_and_artifacts(t01_report):
+    text = t01_report.to_text()
+    assert "scale_tiles_kernel @ sm_90" in text and "producer" in text and "consumer" in text
+    as_dict = t01_report.to_dict()
+    assert as_dict["threads"] == 256 and as_dict["roles"][1]["name"] == "consumer"
+    assert ".entry scale_tiles_kernel" in t01_report.ptx
+    assert "ttg.warp_specialize" in t01_report.ttgir
+    assert inspect(t01.inspect_spec()).ptx is None  # text only on request
+
+
+def test_t03_wgmma_and_register_budgets():
+    report = inspect(t03.inspect_spec(), target="sm_90")
+    assert [r.name for r in report.roles] == ["producer", "consumer0", "consumer1"]
+    assert [r.registers for r in report.roles[1:]] == [232, 232]
+    assert report.roles[0].registers < 232  # the producer runs on what the consumers left
+    assert report.instructions["wgmma.mma_async"] > 0
+    assert report.instructions["setmaxnreg"] > 0
+    assert any(k.startswith("dec") for k in report.setmaxnreg)
+    assert any(k.startswith("inc") for k in report.setmaxnreg)
+
+
+def test_t05_tcgen05_and_tmem_on_sm100():
+    report = inspect(t05.inspect_spec(), target="sm_100")
+    assert report.instructions["tcgen05.mma"] > 0
+    assert report.instructions["tcgen05.* (all)"] >= report.instructions["tcgen05.mma"]
+    assert report.tmem_columns == 128  # one 128x128 fp32 accumulator
+    assert [r.name for r in report.roles][:3] == ["epilogue", "mma", "load"]
+    assert report.instructions["wgmma.mma_async"] == 0
+
+
+def test_bad_target_names_the_argument():
+    with pytest.raises(ValueError, match="target"):
+        inspect(t01.inspect_spec(), target="sm_80")
+
+
+def test_failed_compile_names_kernel_and_target():
+    spec = t03.inspect_spec(BLOCK_K=8)  # wgmma needs K >= 16: the compiler rejects it
+    with pytest.raises(KernelCompileError, match=r"ws_gemm_kernel.*sm_90"):
+        inspect(spec)
+
+
+def test_missing_signature_entry_names_the_argument():
+    spec = t01.inspect_spec()
+    spec = KernelSpec(fn=spec.fn, signature={k: v for k, v in spec.signature.items() if k != "scale"},
+                      constexprs=spec.constexprs)
+    with pytest.raises(ValueError, match="scale"):
+        inspect(spec)
+
+
+def test_compiler_diagnostic_reaches_the_error():
+    spec = dataclasses.replace(t01.inspect_spec(), num_warps=2)  # roles need whole warpgroups
+    with pytest.raises(KernelCompileError, match=r"(?s)scale_tiles_kernel.*sm_90.*multiple of 4"):
+        inspect(spec)
