@@ -17,6 +17,7 @@ from jfa import specs
 
 __all__ = [
     "jagged_attention_ref",
+    "jagged_attention_bwd_ref",
     "block_attention_ref",
     "block_sparse_attention_ref",
     "rotary_ref",
@@ -125,6 +126,53 @@ def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_of
     if not out_pieces:
         return q.new_zeros(0, heads, head_dim), q.new_zeros(heads, 0)
     return torch.cat(out_pieces, dim=0), torch.cat(lse_pieces, dim=1)
+
+
+def jagged_attention_bwd_ref(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             q_offsets: torch.Tensor, kv_offsets: torch.Tensor, *, sm_scale: float | None = None,
+                             causal: bool = False, window: int | None = None, broadcast_q: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of `jagged_attention_ref`, written out: (dq, dk, dv) in float32 (float64 if given).
+
+    Same math as the kernels (seed-notes section 1): Delta = rowsum(O * dO), P = exp(S - LSE),
+    dV = P^T dO, dS = P * (dO V^T - Delta), dQ = scale * dS K, dK = scale * dS^T Q. GQA sums dK, dV
+    over the G query heads of each KV head; broadcast-Q sums dQ over the B batches. It exists
+    besides autograd because autograd does not record inside a custom op's implementation
+    (`jfa.ops` uses this as its CPU backward), and it states what a kernel backward must compute.
+    """
+    dtype = _compute_dtype(q, k, v)
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    q = q.to(dtype)
+    k_all, v_all = _expand_kv_heads(k.to(dtype), heads), _expand_kv_heads(v.to(dtype), heads)
+    grad_out = grad_out.to(dtype)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    q_bounds, kv_bounds = _host_list(q_offsets), _host_list(kv_offsets)
+    dq, dk_all, dv_all = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
+    for b in range(len(kv_bounds) - 1):
+        q_rows = slice(0, q_bounds[1]) if broadcast_q else slice(q_bounds[b], q_bounds[b + 1])
+        lq = q_rows.stop - q_rows.start
+        out_rows = slice(b * lq, (b + 1) * lq) if broadcast_q else q_rows
+        kv_rows = slice(kv_bounds[b], kv_bounds[b + 1])
+        if lq == 0 or kv_rows.stop == kv_rows.start:
+            continue  # no scores, so no gradient flows
+        q_seq, k_seq, v_seq = (t[rows].transpose(0, 1) for t, rows in ((q, q_rows), (k_all, kv_rows), (v_all, kv_rows)))
+        do_seq = grad_out[out_rows].transpose(0, 1)
+        lk = k_seq.shape[1]
+        visible = _visible(lq, lk, causal, window, q.device) if (causal or window is not None) else None
+        out_seq, lse = _masked_attention(q_seq, k_seq, v_seq, visible, scale)
+        scores = torch.matmul(q_seq, k_seq.transpose(-1, -2)) * scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+        delta = (out_seq * do_seq).sum(-1, keepdim=True)
+        dscores = probs * (torch.matmul(do_seq, v_seq.transpose(-1, -2)) - delta)
+        dq[q_rows] += (scale * torch.matmul(dscores, k_seq)).transpose(0, 1)
+        dk_all[kv_rows] = (scale * torch.matmul(dscores.transpose(-1, -2), q_seq)).transpose(0, 1)
+        dv_all[kv_rows] = torch.matmul(probs.transpose(-1, -2), do_seq).transpose(0, 1)
+    group = heads // kv_heads
+    dk = dk_all.unflatten(1, (kv_heads, group)).sum(2)
+    dv = dv_all.unflatten(1, (kv_heads, group)).sum(2)
+    return dq, dk, dv
 
 
 def _block_layout(offsets: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:

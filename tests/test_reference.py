@@ -133,26 +133,49 @@ def test_custom_scale_float64_and_low_precision_inputs():
     torch.testing.assert_close(out16.double(), want16, **FP32_TOL)
 
 
-@pytest.mark.parametrize("causal,window,broadcast_q", [(False, None, False), (True, 2, False), (True, None, True)])
-def test_jagged_gradients_match_naive_float64_autograd(causal, window, broadcast_q):
-    q_lens = [4] * 4 if broadcast_q else Q_LENS[:4]
-    kv_lens = KV_LENS[:4]
-    q, k, v = make_qkv(4 if broadcast_q else sum(q_lens), sum(kv_lens), 4, 2, 8, seed=11)
-    grad_out = torch.randn(sum(q_lens), 4, 8, generator=torch.Generator().manual_seed(12))
-    q_offsets = offsets_of([4]) if broadcast_q else offsets_of(q_lens)
+GRAD_CASES = [(False, None, False), (True, 2, False), (True, None, True), (False, 1, True)]
 
+
+def grad_problem(broadcast_q):
+    """Inputs of the gradient tests: GQA, lq != lk, an empty KV sequence (and an empty q one unless PMA)."""
+    q_len = 4
+    q_lens = [q_len] * 4 if broadcast_q else Q_LENS[:4]
+    kv_lens = KV_LENS[:4]
+    q, k, v = make_qkv(q_len if broadcast_q else sum(q_lens), sum(kv_lens), 4, 2, 8, seed=11)
+    grad_out = torch.randn(sum(q_lens), 4, 8, generator=torch.Generator().manual_seed(12))
+    q_offsets = offsets_of([q_len]) if broadcast_q else offsets_of(q_lens)
+    return q, k, v, grad_out, q_offsets, offsets_of(kv_lens), q_lens, kv_lens
+
+
+def naive_grads(q, k, v, grad_out, q_lens, kv_lens, causal, window, broadcast_q):
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out, _ = naive_attention(*leaves, q_lens, kv_lens, 1 / math.sqrt(q.shape[-1]), mask_rule(causal, window),
+                             broadcast_q=broadcast_q)
+    return torch.autograd.grad(out, leaves, grad_out.double())
+
+
+@pytest.mark.parametrize("causal,window,broadcast_q", GRAD_CASES)
+def test_jagged_autograd_matches_naive_float64_autograd(causal, window, broadcast_q):
+    q, k, v, grad_out, q_offsets, kv_offsets, q_lens, kv_lens = grad_problem(broadcast_q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = reference.jagged_attention_ref(*leaves, q_offsets, offsets_of(kv_lens), causal=causal, window=window,
+    out, _ = reference.jagged_attention_ref(*leaves, q_offsets, kv_offsets, causal=causal, window=window,
                                             broadcast_q=broadcast_q)
     got = torch.autograd.grad(out, leaves, grad_out)
-
-    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
-    want_out, _ = naive_attention(*leaves64, q_lens, kv_lens, 1 / math.sqrt(8), mask_rule(causal, window),
-                                  broadcast_q=broadcast_q)
-    want = torch.autograd.grad(want_out, leaves64, grad_out.double())
+    want = naive_grads(q, k, v, grad_out, q_lens, kv_lens, causal, window, broadcast_q)
     for name, g, w in zip("qkv", got, want):
         assert torch.all(torch.isfinite(g)), f"d{name} has non-finite values"
         torch.testing.assert_close(g.double(), w, **FP32_GRAD_TOL, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("causal,window,broadcast_q", GRAD_CASES)
+def test_explicit_backward_matches_naive_float64_autograd(causal, window, broadcast_q):
+    q, k, v, grad_out, q_offsets, kv_offsets, q_lens, kv_lens = grad_problem(broadcast_q)
+    got = reference.jagged_attention_bwd_ref(grad_out.double(), q.double(), k.double(), v.double(), q_offsets,
+                                             kv_offsets, causal=causal, window=window, broadcast_q=broadcast_q)
+    want = naive_grads(q, k, v, grad_out, q_lens, kv_lens, causal, window, broadcast_q)
+    for name, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, **FP64_TOL, msg=lambda m: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("causal", [False, True])
