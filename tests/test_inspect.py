@@ -6,6 +6,7 @@ import pytest
 from jfa.inspect import KernelCompileError, KernelSpec, inspect
 from tutorials import t01_ws_producer_consumer as t01
 from tutorials import t03_ws_wgmma_gemm as t03
+from tutorials import t04_attention_pingpong as t04
 from tutorials import t05_blackwell_tmem_gemm as t05
 
 
@@ -54,6 +55,16 @@ def test_t03_wgmma_and_register_budgets():
     assert report.instructions["setmaxnreg"] > 0
     assert any(k.startswith("dec") for k in report.setmaxnreg)
     assert any(k.startswith("inc") for k in report.setmaxnreg)
+
+
+def test_t04_pingpong_adds_a_consumer_and_named_barrier_arrives():
+    single = inspect(t04.inspect_spec(PINGPONG=False))
+    pingpong = inspect(t04.inspect_spec(PINGPONG=True))
+    assert [r.name for r in single.roles] == ["producer", "consumer"]
+    assert [r.name for r in pingpong.roles] == ["producer", "consumer0", "consumer1"]
+    assert single.instructions["bar.arrive / barrier.arrive"] == 0
+    assert pingpong.instructions["bar.arrive / barrier.arrive"] > 0
+    assert pingpong.instructions["wgmma.mma_async"] == 2 * single.instructions["wgmma.mma_async"]
 
 
 def test_t05_tcgen05_and_tmem_on_sm100():

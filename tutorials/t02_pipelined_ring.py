@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa.inspect import KernelSpec
 from jfa.specs import H200_COPY_TBPS, TMA_ALIGN_BYTES
@@ -72,8 +73,6 @@ def row_sums_kernel(x_desc, sums_ptr, n_rows, n_cols,
 
 def row_sums(x: torch.Tensor, out: torch.Tensor | None = None, **cfg) -> torch.Tensor:
     """fp32 row sums of a contiguous 2-D fp16/bf16 CUDA tensor, written into `out` (or a new tensor)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     cfg = DEFAULT_CONFIG | cfg
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2-D tensor, got shape {tuple(x.shape)}")

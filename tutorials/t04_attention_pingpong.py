@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa.inspect import KernelSpec
 from jfa.specs import FWD_TOL, attention_flops, tflops
@@ -119,8 +120,6 @@ def attention_fwd_kernel(q_desc, k_desc, v_desc, o_desc, seq_len, sm_scale,
 
 def attention_fwd(q, k, v, out=None, sm_scale=None, **cfg):
     """softmax(q k^T * sm_scale) v for fp16 ``[B*H, N, D]`` CUDA tensors, into `out` (or a new tensor)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     cfg = DEFAULT_CONFIG | cfg | {"HEAD_DIM": q.shape[-1]}
     rows_per_cta = ROWS_PER_CONSUMER.value * (2 if cfg["PINGPONG"] else 1)
     for arg, t in (("q", q), ("k", k), ("v", v)):

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa.inspect import KernelSpec
 from jfa.specs import FWD_TOL, TMA_ALIGN_BYTES
@@ -80,8 +81,6 @@ def tmem_gemm_kernel(a_desc, b_desc, c_desc, K,
 
 def tmem_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, **cfg) -> torch.Tensor:
     """``a @ b`` for fp16 CUDA matrices on a Blackwell GPU, written into `out` (or a new tensor)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     cfg = DEFAULT_CONFIG | cfg
     for arg, t in (("a", a), ("b", b)):
         if t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float16:
