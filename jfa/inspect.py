@@ -74,14 +74,18 @@ class Role:
     registers: int | None  # what the role runs with (after setmaxnreg's clamp); None: not set
 
 
+# PTX names a bulk tensor copy's direction as .dst.src: shared <- global is a TMA load.
+_TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor\.\d+d\.shared::\w+\.global")
+_TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\.\d+d\.global\.shared::")
+
 # Name shown in the report -> test on a PTX mnemonic (the instruction with its modifiers).
 INSTRUCTION_GROUPS = {
     "wgmma.mma_async": lambda m: m.startswith("wgmma.mma_async"),
     "wgmma fence/commit/wait": lambda m: m.startswith(("wgmma.fence", "wgmma.commit_group", "wgmma.wait_group")),
     "tcgen05.mma": lambda m: m.startswith("tcgen05.mma"),
     "tcgen05.* (all)": lambda m: m.startswith("tcgen05."),
-    "TMA load (cp.async.bulk.tensor g->s)": lambda m: m.startswith("cp.async.bulk.tensor") and ".shared::" in m.split(".global")[0],
-    "TMA store (cp.async.bulk.tensor s->g)": lambda m: m.startswith("cp.async.bulk.tensor") and m.split(".shared::")[0].endswith("global"),
+    "TMA load (cp.async.bulk.tensor g->s)": lambda m: bool(_TMA_LOAD.match(m)),
+    "TMA store (cp.async.bulk.tensor s->g)": lambda m: bool(_TMA_STORE.match(m)),
     "TMA reduce (cp.reduce.async.bulk)": lambda m: m.startswith("cp.reduce.async.bulk"),
     "mbarrier.init": lambda m: m.startswith("mbarrier.init"),
     "mbarrier.arrive (all)": lambda m: m.startswith("mbarrier.arrive"),
@@ -140,7 +144,14 @@ class KernelCompileError(RuntimeError):
 
 def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
             want_ttgir: bool = False) -> KernelReport:
-    """Compile `spec` for `target` ("sm_90" or "sm_100"; default: the spec's own) and report it."""
+    """Compile `spec` for `target` ("sm_90" or "sm_100"; default: the spec's own) and report it.
+
+    Raises ValueError for an unknown target or an incomplete spec, and KernelCompileError
+    (naming the kernel, the target and the compiler's diagnostic) when Triton rejects the kernel.
+    """
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"spec must be a jfa.inspect.KernelSpec (from a module's inspect_spec()), "
+                        f"got {type(spec).__name__}")
     target = spec.target if target is None else target
     if target not in INSPECT_TARGETS:
         raise ValueError(f"target must be one of {sorted(INSPECT_TARGETS)}, got {target!r}")
