@@ -571,3 +571,76 @@ def t02_sweep_panel():
     def render(block_ns):
         return t02_sweep_figure([r for r in rows if r["BLOCK_N"] in block_ns], "tutorial 2: ring depth vs bandwidth")
     return panel(controls, render)
+
+
+# ==== benchmark results (jfa.bench rows) ========================================================
+BENCH_PATTERN = "bench-*.json"
+
+
+def newest_bench(suite: str) -> Recorded | None:
+    """The newest recorded benchmark file holding successful rows of `suite` (real runs before fixtures)."""
+    return newest_recorded(BENCH_PATTERN, where=lambda doc: any(
+        r.get("suite") == suite and r.get("ok") for r in doc.get("rows", [])))
+
+
+def measured_providers(rows: list[dict], suite: str, pass_: str) -> list[str]:
+    from jfa.specs import BENCH_PROVIDERS
+
+    present = {r["provider"] for r in rows if r.get("ok") and r["suite"] == suite and r["pass"] == pass_}
+    return [p for p in BENCH_PROVIDERS if p in present] + sorted(present - set(BENCH_PROVIDERS))
+
+
+def results_table_markdown(rows: list[dict], suite: str, pass_: str, providers: list[str]) -> str:
+    """TFLOP/s per case (rows) and provider (columns); '-' where a provider has no successful row."""
+    picked = {(r["case"], r["provider"]): r for r in rows
+              if r.get("ok") and r["suite"] == suite and r["pass"] == pass_ and r["provider"] in providers}
+    cases = list(dict.fromkeys(case for case, _ in picked))
+    lines = ["| case | " + " | ".join(providers) + " |", "|---|" + "---:|" * len(providers)]
+    for case in cases:
+        cells = [f"{picked[(case, p)]['tflops']:.0f}" if (case, p) in picked else "-" for p in providers]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def experiment_summary_markdown(rec: Recorded | None, suite: str, pass_: str, providers: list[str],
+                                title: str = "Experiment") -> str:
+    """A write-up skeleton: provenance, the environment block, the TFLOP/s table, what is missing."""
+    if rec is None:
+        return f"## {title}\n\n{NO_RECORDING} of suite `{suite}`."
+    rows = rec.doc.get("rows", [])
+    have = measured_providers(rows, suite, pass_)
+    missing = [p for p in providers if p not in have]
+    failed = [r for r in rows if not r.get("ok") and r["suite"] == suite and r["pass"] == pass_]
+    env_rows = [f"| {key} | {rec.env.get(key) if rec.env.get(key) is not None else '-'} |"
+                for key in ENV_KEYS + ("date",) if key in rec.env]
+    parts = [f"## {title}: suite `{suite}`, {pass_}", "", f"Source: {rec.provenance()}", "",
+             "| environment | |", "|---|---|", *env_rows, "",
+             f"TFLOP/s ({pass_}; FLOPs as `jfa.specs.attention_flops` counts them):", "",
+             results_table_markdown(rows, suite, pass_, [p for p in providers if p in have] or have)]
+    if missing:
+        parts += ["", "Not in this recording: " + ", ".join(f"`{p}`" for p in missing) + f" ({NO_RECORDING})."]
+    if failed:
+        parts += ["", f"{len(failed)} failed rows: " + "; ".join(
+            f"{r['case']} {r['provider']}: {(r.get('error') or '?')[:80]}" for r in failed[:5])]
+    return "\n".join(parts)
+
+
+def bench_panel(rec: Recorded, suite: str):
+    """Pass and providers as controls; the TFLOP/s bars of the recorded suite below."""
+    import ipywidgets
+
+    from jfa.plots import tflops_bar
+
+    rows = rec.doc.get("rows", [])
+    passes = [p for p in ("fwd", "bwd", "fwd+bwd") if measured_providers(rows, suite, p)]
+    controls = {
+        "pass_": ipywidgets.Dropdown(options=passes, value=passes[0], description="pass"),
+        "providers": ipywidgets.SelectMultiple(options=measured_providers(rows, suite, passes[0]),
+                                               value=tuple(measured_providers(rows, suite, passes[0])),
+                                               description="providers"),
+    }
+
+    def render(pass_, providers):
+        chosen = [r for r in rows if r["provider"] in providers]
+        return tflops_bar(chosen, suite=suite, pass_=pass_, title=f"{suite}: {pass_} TFLOP/s ({rec.path.name})")
+    return panel(controls, render)
