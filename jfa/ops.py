@@ -1,0 +1,220 @@
+"""`torch.library` custom ops for jagged attention, and the public `jagged_attention` entry point.
+
+Two ops in the `jfa` namespace, `jagged_attention_fwd` -> (out, lse) and `jagged_attention_bwd` ->
+(dq, dk, dv), each with a fake (meta) implementation so torch.compile can trace through them, and
+autograd wired from the first to the second. Making them custom ops (rather than plain Python)
+keeps them opaque to torch.compile: the graph holds one node per pass, never the kernel's
+internals, and the same call works eagerly, compiled, on CPU and on GPU.
+
+Dispatch: on CUDA the TLX kernels (`jfa.kernels.jagged_fwd` / `jagged_bwd`) run when they import
+and accept the inputs; anywhere else, or when they decline, the PyTorch reference runs and a
+`ReferenceFallbackWarning` says why, once per reason. The kernel modules are imported lazily so a
+broken or missing kernel never breaks `import jfa`.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from jfa import jagged, reference, specs
+
+__all__ = ["jagged_attention", "jagged_attention_fwd", "jagged_attention_bwd", "backend_for",
+           "ReferenceFallbackWarning"]
+
+# Op schemas have no Optional[int]; these sentinels stand for "no window" and "not given".
+NO_WINDOW = -1
+UNKNOWN_MAX_LEN = -1
+KERNEL_BACKEND = "tlx-sm90"
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """The PyTorch reference ran instead of a TLX kernel (filter it with this category)."""
+
+
+_warned_reasons: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        warnings.warn(f"jfa: running the PyTorch reference: {reason}", ReferenceFallbackWarning, stacklevel=3)
+
+
+@functools.cache
+def _load_kernel_module(name: str):
+    """(module, "") or (None, why it did not import); imported once, on first use."""
+    try:
+        return importlib.import_module(f"jfa.kernels.{name}"), ""
+    except Exception as exc:  # a kernel module that fails to import must not take the API down
+        return None, f"jfa.kernels.{name} did not import ({type(exc).__name__}: {exc})"
+
+
+def _why_not_kernel(q: Tensor, module_name: str) -> str | None:
+    """None when the TLX kernel of `module_name` can run on q, else the reason it cannot."""
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU"
+    if q.dtype not in specs.SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} has no kernel (kernels take {specs.SUPPORTED_DTYPES})"
+    if q.shape[-1] not in specs.SUPPORTED_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} has no kernel (kernels take {specs.SUPPORTED_HEAD_DIMS})"
+    module, why = _load_kernel_module(module_name)
+    if module is None:
+        return why
+    if not module.is_supported(q):
+        return f"jfa.kernels.{module_name}.is_supported(q) is False on this GPU"
+    return None
+
+
+def backend_for(q: Tensor) -> str:
+    """What `jagged_attention` forward runs for q: "tlx-sm90" or "reference (why)"."""
+    why = _why_not_kernel(q, "jagged_fwd")
+    return KERNEL_BACKEND if why is None else f"reference ({why})"
+
+
+def _longest(offsets: Tensor, given: int) -> int:
+    """max_seq_len as given, or computed from the offsets (a sync if they are on the GPU)."""
+    if given != UNKNOWN_MAX_LEN:
+        return given
+    lengths = jagged.offsets_to_lengths(offsets)
+    return int(lengths.max()) if lengths.numel() else 0
+
+
+def _window_or_none(window: int) -> int | None:
+    return None if window == NO_WINDOW else window
+
+
+# ---- forward -----------------------------------------------------------------------------------
+@torch.library.custom_op("jfa::jagged_attention_fwd", mutates_args=())
+def jagged_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
+                         max_seq_len_q: int, max_seq_len_kv: int, sm_scale: float, causal: bool, window: int,
+                         broadcast_q: bool) -> tuple[Tensor, Tensor]:
+    """Jagged attention forward -> (out [Tq_out, Hq, D] in q's dtype, lse float32 [Hq, Tq_out]).
+
+    Inputs are already validated (`jfa.jagged.validate_jagged_attention`); window -1 means none,
+    max_seq_len -1 means "compute from the offsets". This default implementation is the reference.
+    """
+    _warn_once(f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
+    return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
+
+
+def _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q):
+    out, lse = reference.jagged_attention_ref(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale, causal=causal,
+                                              window=_window_or_none(window), broadcast_q=broadcast_q)
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+@jagged_attention_fwd.register_kernel("cuda")
+def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
+                               window, broadcast_q):
+    why = _why_not_kernel(q, "jagged_fwd")
+    if why is not None:
+        _warn_once(why)
+        return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
+    module, _ = _load_kernel_module("jagged_fwd")
+    # Read the bounds before moving the offsets: offsets kept on the CPU need no sync for this.
+    max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
+    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
+                             for o in (q_offsets, kv_offsets))
+    return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal,
+                                       _window_or_none(window), broadcast_q)
+
+
+@jagged_attention_fwd.register_fake
+def _jagged_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
+                               window, broadcast_q):
+    out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    return q.new_empty(out_rows, q.shape[1], q.shape[2]), q.new_empty(q.shape[1], out_rows, dtype=torch.float32)
+
+
+# ---- backward ----------------------------------------------------------------------------------
+@torch.library.custom_op("jfa::jagged_attention_bwd", mutates_args=())
+def jagged_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         q_offsets: Tensor, kv_offsets: Tensor, max_seq_len_q: int, max_seq_len_kv: int,
+                         sm_scale: float, causal: bool, window: int, broadcast_q: bool
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """Jagged attention backward -> (dq, dk, dv) in the dtypes of q, k, v.
+
+    The default implementation is `reference.jagged_attention_bwd_ref`, which recomputes P itself;
+    `out` and `lse` are what a kernel backward needs and are unused there.
+    """
+    return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
+
+
+def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q):
+    grads = reference.jagged_attention_bwd_ref(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale,
+                                               causal=causal, window=_window_or_none(window),
+                                               broadcast_q=broadcast_q)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+@jagged_attention_bwd.register_kernel("cuda")
+def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
+                               sm_scale, causal, window, broadcast_q):
+    why = _why_not_kernel(q, "jagged_bwd")
+    if why is not None:
+        _warn_once(f"backward: {why}")
+        return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
+    module, _ = _load_kernel_module("jagged_bwd")
+    max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
+    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
+                             for o in (q_offsets, kv_offsets))
+    return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
+                                       causal, _window_or_none(window), broadcast_q)
+
+
+@jagged_attention_bwd.register_fake
+def _jagged_attention_bwd_fake(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
+                               sm_scale, causal, window, broadcast_q):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ---- autograd ----------------------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, kv_offsets, *params = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets)
+    ctx.params = params  # max_seq_len_q, max_seq_len_kv, sm_scale, causal, window, broadcast_q
+    # The backward (reference or kernel) has no LSE term: a loss on lse would get no gradient.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, q_offsets, kv_offsets = ctx.saved_tensors
+    dq, dk, dv = jagged_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("jfa::jagged_attention_fwd", _backward, setup_context=_setup_context)
+
+
+# ---- public entry point ------------------------------------------------------------------------
+def jagged_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
+                     max_seq_len_q: int | None = None, max_seq_len_kv: int | None = None, *,
+                     sm_scale: float | None = None, causal: bool = False, window: int | None = None,
+                     broadcast_q: bool = False, return_lse: bool = False):
+    """Softmax attention over packed variable-length sequences (semantics: docs/CONTRACTS.md).
+
+    q [Tq, Hq, D], k/v [Tk, Hkv, D] (Hq a multiple of Hkv), offsets int [B+1]. Returns out
+    [Tq_out, Hq, D] in q's dtype, and lse float32 [Hq, Tq_out] when `return_lse`. Differentiable
+    in q, k, v. Offsets kept on the CPU are read without a GPU sync. Under torch.compile only the
+    checks that need no offset values run (reading values would break the graph).
+    """
+    if torch.compiler.is_compiling():
+        jagged.check_jagged_tensors(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale, window=window,
+                                    broadcast_q=broadcast_q)
+        max_q = UNKNOWN_MAX_LEN if max_seq_len_q is None else max_seq_len_q
+        max_kv = UNKNOWN_MAX_LEN if max_seq_len_kv is None else max_seq_len_kv
+        scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    else:
+        problem = jagged.validate_jagged_attention(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
+                                                   sm_scale=sm_scale, causal=causal, window=window,
+                                                   broadcast_q=broadcast_q)
+        max_q, max_kv, scale = problem.max_seq_len_q, problem.max_seq_len_kv, problem.sm_scale
+    out, lse = jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, scale, causal,
+                                    NO_WINDOW if window is None else window, broadcast_q)
+    return (out, lse) if return_lse else out
