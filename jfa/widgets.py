@@ -430,13 +430,14 @@ def panel(controls: dict, render: Callable[..., object]) -> Callable[[], object]
     a function that re-renders with the controls' current values (what a test can call).
     """
     import ipywidgets
-    from IPython.display import display
+    from IPython.display import DisplayHandle, display
 
     def values() -> dict:
         return {name: widget.value for name, widget in controls.items()}
 
     display(ipywidgets.HBox(list(controls.values()), layout=ipywidgets.Layout(flex_flow="row wrap")))
-    handle = display(render(**values()), display_id=True)
+    handle = DisplayHandle()
+    handle.display(render(**values()))
 
     def refresh(_change=None):
         result = render(**values())

@@ -1,0 +1,192 @@
+"""jfa.widgets: the ring simulator, the budget calculator, recorded-results loading, the panels."""
+import json
+
+import pytest
+
+from jfa import widgets as jw
+from jfa.specs import REGISTERS_PER_SM, SHARED_BYTES_PER_BLOCK, TMEM_COLUMNS
+
+
+# ---- ring ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("i,depth,expected", [(0, 3, (0, 0)), (2, 3, (2, 0)), (3, 3, (0, 1)), (7, 3, (1, 0)),
+                                              (5, 1, (0, 1))])
+def test_ring_slot_is_index_mod_depth_and_round_parity(i, depth, expected):
+    assert jw.ring_slot(i, depth) == expected
+
+
+@pytest.mark.parametrize("i,depth,name", [(0, 0, "depth"), (-1, 2, "tile index")])
+def test_ring_slot_rejects_bad_input_by_name(i, depth, name):
+    with pytest.raises(ValueError, match=name):
+        jw.ring_slot(i, depth)
+
+
+def test_mbarrier_fresh_barrier_reports_the_opposite_parity_complete():
+    bar = jw._MBarrier(arrive_count=2)
+    assert bar.try_wait(1) and not bar.try_wait(0)
+    bar.arrive()
+    assert not bar.try_wait(0), "one arrival of two must not complete the phase"
+    bar.arrive()
+    assert bar.try_wait(0) and not bar.try_wait(1)
+
+
+@pytest.mark.parametrize("depth,load,compute", [(1, 2, 3), (2, 2, 3), (3, 4, 1), (4, 1, 5), (2, 3, 3)])
+def test_simulated_ring_respects_the_protocol(depth, load, compute):
+    n = 9
+    steps = jw.simulate_ring(n, depth, load, compute)
+    loads = {s.tile: s for s in steps if s.action == "load"}
+    computes = {s.tile: s for s in steps if s.action == "compute"}
+    assert sorted(loads) == sorted(computes) == list(range(n))
+    for i in range(n):
+        slot, phase = jw.ring_slot(i, depth)
+        assert (loads[i].slot, loads[i].parity) == (slot, phase ^ 1)
+        assert (computes[i].slot, computes[i].parity) == (slot, phase)
+        assert computes[i].start >= loads[i].end, "consumer read a slot before its data landed"
+        if i >= depth:
+            assert loads[i].start >= computes[i - depth].end, "producer overwrote a slot still in use"
+    for role in ("producer", "consumer"):  # a role does one thing at a time
+        mine = sorted((s for s in steps if s.role == role), key=lambda s: s.start)
+        assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))
+
+
+def test_deeper_ring_hides_slow_loads():
+    ticks = [jw.ring_summary(jw.simulate_ring(8, d, load_ticks=4, compute_ticks=2))["ticks"] for d in (1, 2, 3)]
+    assert ticks[0] > ticks[1] >= ticks[2]
+    assert jw.ring_summary(jw.simulate_ring(8, 1, 4, 2)) == {"ticks": 48, "producer_stalled": 14,
+                                                              "consumer_stalled": 32}
+
+
+def test_simulate_ring_rejects_non_positive_arguments():
+    with pytest.raises(ValueError, match="compute_ticks"):
+        jw.simulate_ring(4, 2, 1, 0)
+
+
+def test_ring_trace_and_figure_render():
+    steps = jw.simulate_ring(4, 2, 2, 3)
+    text = jw.ring_trace_text(steps)
+    assert "empty[0] parity 1 passed" in text and "blocked on full[0]" in text
+    fig = jw.ring_figure(steps)
+    assert {trace.name for trace in fig.data} == {"load", "compute", "wait"}
+
+
+# ---- budget -------------------------------------------------------------------------------------
+def _by_resource(cfg):
+    return {line.resource: line for line in jw.attention_budget(cfg)}
+
+
+def test_hopper_budget_counts_tiles_rings_barriers_and_registers():
+    lines = _by_resource(jw.AttentionConfig())  # 2 consumers x 64 rows, BLOCK_N = D = 128, 2 stages
+    q, kv, barriers = 2 * 64 * 128 * 2, 2 * 2 * 128 * 128 * 2, (2 * 2 + 2 * 2 * 2) * 8
+    assert lines["shared memory"].used == q + kv + barriers
+    assert lines["shared memory"].limit == SHARED_BYTES_PER_BLOCK["sm_90"]
+    assert lines["registers per SM"].used == 128 * 24 + 2 * 128 * 240
+    assert lines["registers per SM"].limit == REGISTERS_PER_SM
+    acc = lines["accumulator registers per consumer thread"]
+    assert acc.used == (64 * 128 + 64 * 128 + 64 * 128 // 2) // 128 and acc.fits
+    assert "tensor memory columns" not in lines
+
+
+def test_blackwell_seed_uses_all_tmem_columns_and_256_rows_overflow_hopper_registers():
+    seed = jw.AttentionConfig(arch="sm_100", block_m=256, kv_stages=3, shared_kv_ring=True, producer_warps=1)
+    tmem = _by_resource(seed)["tensor memory columns"]
+    assert (tmem.used, tmem.limit, tmem.fits) == (TMEM_COLUMNS, TMEM_COLUMNS, True)
+    assert not _by_resource(jw.AttentionConfig(block_m=256))["accumulator registers per consumer thread"].fits
+    assert not _by_resource(jw.AttentionConfig(kv_stages=4))["shared memory"].fits
+
+
+def test_tmem_allocation_is_a_power_of_two_from_32():
+    assert [jw._tmem_allocation(c) for c in (1, 32, 33, 200, 512)] == [32, 32, 64, 256, 512]
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(arch="sm_80"), "arch"), (dict(block_m=0), "block_m"), (dict(block_m=128, consumer_groups=3), "block_m"),
+    (dict(consumer_registers=100), "consumer_registers"), (dict(producer_registers=16), "producer_registers"),
+])
+def test_budget_rejects_impossible_configurations_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        jw.attention_budget(jw.AttentionConfig(**kwargs))
+
+
+def test_budget_text_marks_overflow():
+    text = jw.budget_text(jw.attention_budget(jw.AttentionConfig(kv_stages=4)))
+    assert "OVER" in text.splitlines()[1] and "fits" in text.splitlines()[2]
+
+
+# ---- recorded results ---------------------------------------------------------------------------
+def _write(path, date, **extra):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"env": {"gpu": "NVIDIA H200", "date": date}, **extra}))
+    return path
+
+
+def test_newest_recorded_prefers_real_runs_then_the_newest(tmp_path):
+    fixture = _write(tmp_path / "recorded" / "bench-a.json", "2030-01-01")
+    assert jw.newest_recorded("bench-*.json", results_dir=tmp_path).path == fixture
+    assert jw.newest_recorded("bench-*.json", results_dir=tmp_path).is_fixture
+    _write(tmp_path / "bench-old.json", "2026-01-01")
+    new = _write(tmp_path / "bench-new.json", "2026-06-01")
+    (tmp_path / "bench-broken.json").write_text("{not json")
+    found = jw.newest_recorded("bench-*.json", results_dir=tmp_path)
+    assert found.path == new and not found.is_fixture
+    assert jw.newest_recorded("gpu-tests-*.json", results_dir=tmp_path) is None
+
+
+def test_newest_recorded_filters_on_the_document(tmp_path):
+    _write(tmp_path / "bench-1.json", "2026-06-01", rows=[{"suite": "pma", "ok": True}])
+    _write(tmp_path / "bench-2.json", "2026-07-01", rows=[{"suite": "gem", "ok": True}])
+    found = jw.newest_recorded("bench-*.json", results_dir=tmp_path,
+                               where=lambda d: any(r["suite"] == "pma" for r in d["rows"]))
+    assert found.path.name == "bench-1.json"
+
+
+def test_recorded_tests_text_reports_outcomes_or_says_nothing_was_recorded(tmp_path):
+    rec = jw.Recorded(_write(tmp_path / "gpu-tests-1.json", "2026-06-01",
+                             tests=[{"test": "tests/gpu/test_tutorials.py::test_run[t01]", "outcome": "passed",
+                                     "seconds": 1.5}]), None, False)
+    rec.doc = json.loads(rec.path.read_text())
+    assert "passed   tests/gpu/test_tutorials.py::test_run[t01]" in jw.recorded_tests_text(rec, "t01")
+    assert jw.recorded_tests_text(rec, "t09").startswith(jw.NO_RECORDING)
+    assert jw.recorded_tests_text(None, "t01").startswith(jw.NO_RECORDING)
+
+
+def test_save_recording_round_trips_with_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("JFA_RESULTS_DIR", str(tmp_path))
+    path = jw.save_recording("t02-ring-sweep", {"rows": [{"NUM_STAGES": 2, "tbps": 1.0}]})
+    assert path.parent == tmp_path
+    found = jw.newest_recorded("t02-ring-sweep-*.json", results_dir=tmp_path)
+    assert found.doc["rows"][0]["NUM_STAGES"] == 2 and "torch" in found.env
+
+
+def test_the_shipped_fixture_is_labeled_and_has_no_jfa_numbers():
+    rec = jw.newest_recorded("bench-*.json", results_dir=jw.RESULTS_DIR / "no-such-dir",
+                             recorded_dir=jw.RECORDED_DIR)
+    assert rec is not None and rec.is_fixture and rec.doc["source"]
+    assert all(r["provider"] != "jfa" for r in rec.doc["rows"])
+    summary = jw.experiment_summary_markdown(rec, "gem", "fwd", ["jfa", "fa2", "fa4"])
+    assert "| L=2048,s=1.0 | 346 | 525 |" in summary  # the anchors table, FA2 and FA4 forward
+    assert f"`jfa` ({jw.NO_RECORDING})" in summary
+
+
+def test_summary_without_recording_says_so():
+    assert jw.NO_RECORDING in jw.experiment_summary_markdown(None, "gem", "fwd", ["jfa"])
+
+
+# ---- panels -------------------------------------------------------------------------------------
+def test_panel_renders_once_and_again_on_change(capsys):
+    ipywidgets = pytest.importorskip("ipywidgets")
+    slider = ipywidgets.IntSlider(value=2, min=1, max=5)
+    calls = []
+
+    def render(depth):
+        calls.append(depth)
+        return jw.Text(f"depth {depth}")
+
+    refresh = jw.panel({"depth": slider}, render)
+    slider.value = 4
+    assert calls == [2, 4]
+    assert refresh().text == "depth 4"
+
+
+def test_budget_panel_shows_invalid_configurations_instead_of_raising():
+    pytest.importorskip("ipywidgets")
+    refresh = jw.budget_panel(block_m=64, consumer_groups=1)
+    assert "shared memory" in refresh().text
