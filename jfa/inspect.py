@@ -298,3 +298,93 @@ def _ptx_mnemonics(ptx: str) -> Counter:
 def _setmaxnreg(ptx: str) -> dict:
     found = re.findall(r"setmaxnreg\.(inc|dec)\S*\s+(\d+)", ptx)
     return dict(sorted(Counter(f"{kind} {value}" for kind, value in found).items()))
+
+
+# ---- `python -m jfa inspect` ---------------------------------------------------------------------
+
+INSPECTABLE_PACKAGES = ("tutorials", "jfa.kernels")  # where MODULE is looked up when not a full path
+
+
+def main(argv: list[str]) -> int:
+    """`python -m jfa inspect MODULE [KEY=VALUE ...]`: compile MODULE.inspect_spec(**cfg) and print."""
+    import argparse
+    import importlib
+    import json
+
+    parser = argparse.ArgumentParser(
+        prog="python -m jfa inspect",
+        description="Compile a kernel without a GPU and report its warp roles, registers, shared "
+                    "and tensor memory, and PTX instruction mix.",
+        epilog="examples: t01 | t04 PINGPONG=False | block_attn direction=bwd head_dim=64 | "
+               "t05 --target sm_100 | jfa.kernels.jagged_fwd dtype=float16")
+    parser.add_argument("module", nargs="?", help="a module with inspect_spec(): dotted path, or a name "
+                        f"or prefix inside {' / '.join(INSPECTABLE_PACKAGES)}; omit to list them")
+    parser.add_argument("config", nargs="*", metavar="KEY=VALUE", help="keyword arguments of inspect_spec()")
+    parser.add_argument("--target", choices=sorted(INSPECT_TARGETS), help="default: the kernel's own")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--ptx", action="store_true", help="also print the PTX")
+    parser.add_argument("--ttgir", action="store_true", help="also print the TTGIR")
+    args = parser.parse_args(argv)
+
+    if args.module is None:
+        print("inspectable modules:\n" + "\n".join(f"  {name}" for name in _inspectable_modules()))
+        return 0
+    try:
+        module = importlib.import_module(_resolve_module(args.module))
+        report = inspect(module.inspect_spec(**_parse_config(args.config)), target=args.target,
+                         want_ptx=args.ptx, want_ttgir=args.ttgir)
+    except (ValueError, TypeError, KernelCompileError) as exc:
+        print(f"python -m jfa inspect: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    for flag, text in (("ttgir", report.ttgir), ("ptx", report.ptx)):
+        if text and not args.json:
+            print(f"\n---- {flag} ----\n{text}")
+    return 0
+
+
+def _inspectable_modules() -> list:
+    """Modules of INSPECTABLE_PACKAGES that define inspect_spec() (read as text: nothing is imported)."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    found = []
+    for package in INSPECTABLE_PACKAGES:
+        for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+            name = f"{package}.{info.name}"
+            with open(importlib.util.find_spec(name).origin) as source:
+                defines_spec = "def inspect_spec(" in source.read()
+            if defines_spec:
+                found.append(name)
+    return found
+
+
+def _resolve_module(name: str) -> str:
+    """A full dotted path as is; otherwise the one inspectable module named `name` or starting with it."""
+    modules = _inspectable_modules()
+    if name in modules:
+        return name
+    matches = [m for m in modules if m.rsplit(".", 1)[1].startswith(name)]
+    if len(matches) != 1:
+        raise ValueError(f"module {name!r} matches {matches or 'nothing'}; choose one of {modules}")
+    return matches[0]
+
+
+def _parse_config(pairs: list) -> dict:
+    """KEY=VALUE strings -> kwargs: Python literals, torch dtype names (float16), or plain strings."""
+    import ast
+
+    import torch
+
+    config = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise ValueError(f"config entries are KEY=VALUE, got {pair!r}")
+        try:
+            config[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            dtype = getattr(torch, text, None)
+            config[key] = dtype if isinstance(dtype, torch.dtype) else text
+    return config

@@ -99,3 +99,25 @@ def test_compiler_diagnostic_reaches_the_error():
     spec = dataclasses.replace(t01.inspect_spec(), num_warps=2)  # roles need whole warpgroups
     with pytest.raises(KernelCompileError, match=r"(?s)scale_tiles_kernel.*sm_90.*multiple of 4"):
         inspect(spec)
+
+
+def test_cli_lists_modules_and_inspects_by_prefix(capsys):
+    from jfa.inspect import main
+
+    assert main([]) == 0
+    listing = capsys.readouterr().out
+    assert "tutorials.t01_ws_producer_consumer" in listing and "tutorials.t05_blackwell_tmem_gemm" in listing
+    assert main(["t04", "PINGPONG=False"]) == 0
+    report = capsys.readouterr().out
+    assert "attention_fwd_kernel @ sm_90" in report and "consumer1" not in report
+
+
+def test_cli_json_and_errors(capsys):
+    import json
+
+    from jfa.inspect import main
+
+    assert main(["t05", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tmem_columns"] == 128
+    assert main(["t0"]) == 2  # ambiguous: every tutorial starts with t0
+    assert "matches" in capsys.readouterr().err
