@@ -54,14 +54,16 @@ def _load_kernel_module(name: str):
         return None, f"jfa.kernels.{name} did not import ({type(exc).__name__}: {exc})"
 
 
-def _why_not_kernel(q: Tensor, module_name: str) -> str | None:
-    """None when the TLX kernel of `module_name` can run on q, else the reason it cannot."""
+def _why_not_kernel(module_name: str, q: Tensor, *others: Tensor) -> str | None:
+    """None when the TLX kernel of `module_name` can run on q (and `others`), else the reason it cannot."""
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU"
     if q.dtype not in specs.SUPPORTED_DTYPES:
         return f"dtype {q.dtype} has no kernel (kernels take {specs.SUPPORTED_DTYPES})"
     if q.shape[-1] not in specs.SUPPORTED_HEAD_DIMS:
         return f"head_dim {q.shape[-1]} has no kernel (kernels take {specs.SUPPORTED_HEAD_DIMS})"
+    if any(t.data_ptr() % specs.TMA_ALIGN_BYTES for t in (q, *others)):
+        return f"an input is not {specs.TMA_ALIGN_BYTES}-byte aligned as TMA needs (pass a .clone())"
     module, why = _load_kernel_module(module_name)
     if module is None:
         return why
@@ -72,7 +74,7 @@ def _why_not_kernel(q: Tensor, module_name: str) -> str | None:
 
 def backend_for(q: Tensor) -> str:
     """What `jagged_attention` forward runs for q: "tlx-sm90" or "reference (why)"."""
-    why = _why_not_kernel(q, "jagged_fwd")
+    why = _why_not_kernel("jagged_fwd", q)
     return KERNEL_BACKEND if why is None else f"reference ({why})"
 
 
@@ -111,7 +113,7 @@ def _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, bro
 @jagged_attention_fwd.register_kernel("cuda")
 def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
                                window, broadcast_q):
-    why = _why_not_kernel(q, "jagged_fwd")
+    why = _why_not_kernel("jagged_fwd", q, k, v)
     if why is not None:
         _warn_once(why)
         return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
@@ -155,7 +157,7 @@ def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, w
 @jagged_attention_bwd.register_kernel("cuda")
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
                                sm_scale, causal, window, broadcast_q):
-    why = _why_not_kernel(q, "jagged_bwd")
+    why = _why_not_kernel("jagged_bwd", q, k, v, grad_out)
     if why is not None:
         _warn_once(f"backward: {why}")
         return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)

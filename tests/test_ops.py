@@ -170,3 +170,51 @@ def test_package_exports():
     assert isinstance(jfa.__version__, str)
     assert jfa.reference is reference and jfa.jagged is jagged
     assert jfa.jagged_attention is ops.jagged_attention
+
+
+class StubKernels:
+    """Stands in for jfa.kernels.jagged_fwd / jagged_bwd: records what the op hands a kernel."""
+
+    def __init__(self):
+        self.calls = []
+
+    def is_supported(self, q):
+        return True
+
+    def jagged_attention_fwd(self, q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal, window,
+                             broadcast_q):
+        self.calls.append(dict(offsets_dtype=(q_offsets.dtype, kv_offsets.dtype), max_len=(max_q, max_kv),
+                               window=window))
+        return ops._reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, ops.NO_WINDOW if window is None
+                                  else window, broadcast_q)
+
+    def jagged_attention_bwd(self, grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
+                             causal, window, broadcast_q):
+        self.calls.append(dict(offsets_dtype=(q_offsets.dtype, kv_offsets.dtype), max_len=(max_q, max_kv),
+                               window=window))
+        return tuple(torch.zeros_like(t) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_kernel_dispatch_plumbing(monkeypatch, window):
+    """The CUDA implementations, called directly with a stub kernel: what a kernel receives."""
+    stub = StubKernels()
+    monkeypatch.setattr(ops, "_why_not_kernel", lambda module_name, *tensors: None)
+    monkeypatch.setattr(ops, "_load_kernel_module", lambda name: (stub, ""))
+    q, k, v, q_offsets, kv_offsets = make_call()
+    op_window = ops.NO_WINDOW if window is None else window
+    out, lse = ops._jagged_attention_fwd_cuda(q, k, v, q_offsets.long(), kv_offsets.long(), ops.UNKNOWN_MAX_LEN, 40,
+                                              0.25, True, op_window, False)
+    want, _ = reference.jagged_attention_ref(q, k, v, q_offsets, kv_offsets, sm_scale=0.25, causal=True, window=window)
+    assert torch.equal(out, want)
+    ops._jagged_attention_bwd_cuda(torch.ones_like(out), q, k, v, out, lse, q_offsets, kv_offsets, 7, 9, 0.25, True,
+                                   op_window, False)
+    # int32 offsets, max lengths resolved from the offsets when unknown, None for "no window".
+    assert stub.calls == [dict(offsets_dtype=(torch.int32, torch.int32), max_len=(max(Q_LENS), 40), window=window),
+                          dict(offsets_dtype=(torch.int32, torch.int32), max_len=(7, 9), window=window)]
+
+
+def test_backend_reasons():
+    assert ops._why_not_kernel("jagged_fwd", torch.empty(2, 1, 64)) == \
+        "q is on cpu, the TLX kernels need a CUDA (sm_90) GPU"
+    assert "did not import" in ops._load_kernel_module("no_such_kernel")[1]
