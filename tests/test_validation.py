@@ -15,8 +15,8 @@ def good_call(dtype=torch.bfloat16):
     q = torch.randn(sum(Q_LENS), HEADS_Q, HEAD_DIM, generator=gen).to(dtype)
     k = torch.randn(sum(KV_LENS), HEADS_KV, HEAD_DIM, generator=gen).to(dtype)
     v = torch.randn(sum(KV_LENS), HEADS_KV, HEAD_DIM, generator=gen).to(dtype)
-    return dict(q=q, k=k, v=v, q_offsets=jagged.lengths_to_offsets(Q_LENS), kv_offsets=jagged.lengths_to_offsets(KV_LENS),
-                max_seq_len_q=None, max_seq_len_kv=None, sm_scale=None, causal=False, window=None,
+    return dict(q=q, k=k, v=v, q_offsets=jagged.lengths_to_offsets(Q_LENS),
+                kv_offsets=jagged.lengths_to_offsets(KV_LENS), max_seq_len_q=None, max_seq_len_kv=None, sm_scale=None, causal=False, window=None,
                 broadcast_q=False, for_kernel=True)
 
 
