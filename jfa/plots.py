@@ -40,8 +40,8 @@ def _cases_in_order(rows: Sequence[Mapping]) -> list[str]:
     return list(dict.fromkeys(r["case"] for r in rows))
 
 
-def _finish(fig: go.Figure, title: str, **layout) -> go.Figure:
-    fig.update_layout(title=title, template=FIGURE_TEMPLATE, height=FIGURE_HEIGHT, legend_title_text="provider",
+def _finish(fig: go.Figure, title: str, legend: str = "provider", **layout) -> go.Figure:
+    fig.update_layout(title=title, template=FIGURE_TEMPLATE, height=FIGURE_HEIGHT, legend_title_text=legend,
                       margin=dict(l=60, r=20, t=50, b=80), **layout)
     return fig
 
@@ -139,7 +139,7 @@ def warp_timeline(records: Iterable, *, title: str = "warp-role timeline", time_
                     x=[r["end"] - r["start"] for r in mine], text=[r.get("label") or "" for r in mine],
                     hovertemplate="%{y} %{text}<br>%{base} .. %{x}<extra></extra>")
     return _finish(fig, title, barmode="overlay", xaxis_title=time_unit, yaxis_title="role",
-                   yaxis=dict(categoryorder="array", categoryarray=roles[::-1]), legend_title_text="role")
+                   yaxis=dict(categoryorder="array", categoryarray=roles[::-1]), legend="role")
 
 
 def ring_depth_sweep(records: Iterable, *, title: str = "K/V ring depth sweep", y_title: str = "TFLOP/s"
@@ -151,5 +151,5 @@ def ring_depth_sweep(records: Iterable, *, title: str = "K/V ring depth sweep", 
         mine = sorted((r for r in recs if r["series"] == series), key=lambda r: r["depth"])
         fig.add_scatter(x=[r["depth"] for r in mine], y=[r["value"] for r in mine], mode="lines+markers",
                         name=str(series))
-    return _finish(fig, title, xaxis_title="ring depth (stages)", yaxis_title=y_title, legend_title_text="series",
+    return _finish(fig, title, xaxis_title="ring depth (stages)", yaxis_title=y_title, legend="series",
                    xaxis=dict(dtick=1))
