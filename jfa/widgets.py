@@ -645,3 +645,90 @@ def bench_panel(rec: Recorded, suite: str):
         chosen = [r for r in rows if r["provider"] in providers]
         return tflops_bar(chosen, suite=suite, pass_=pass_, title=f"{suite}: {pass_} TFLOP/s ({rec.path.name})")
     return panel(controls, render)
+
+
+# ==== notebook 03: the tile scheduler and the GEM-like sweep ====================================
+def deal_tiles(work: list[int], n_programs: int) -> list[list[int]]:
+    """Deal tiles to persistent programs as the kernel does: program p takes tiles p, p + P, p + 2P...
+
+    `work` is each tile's cost (KV tiles it visits) in list order; returns each program's costs."""
+    if n_programs < 1:
+        raise ValueError(f"n_programs must be >= 1, got {n_programs}")
+    return [work[p::n_programs] for p in range(n_programs)]
+
+
+def schedule_figure(dealt: dict[str, list[list[int]]]):
+    """One panel per ordering: stacked bars of the work each program drew; the tallest bar is the time."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=len(dealt), shared_yaxes=True,
+                        subplot_titles=[f"{name}: longest program {max(map(sum, per))}" for name, per in dealt.items()])
+    for col, per_program in enumerate(dealt.values(), start=1):
+        depth = max(map(len, per_program))
+        for k in range(depth):  # k-th tile drawn by every program, stacked
+            fig.add_trace(go.Bar(x=list(range(len(per_program))),
+                                 y=[tiles[k] if k < len(tiles) else 0 for tiles in per_program],
+                                 showlegend=False, marker_line_width=0.5, marker_line_color="white"), row=1, col=col)
+    fig.update_layout(barmode="stack", height=320, margin=dict(l=50, r=20, t=50, b=40),
+                      yaxis_title="KV tiles visited")
+    fig.update_xaxes(title_text="program (SM)")
+    return fig
+
+
+def measure_jfa_fwd(batch: int, max_len: int, sparsity: float, heads: int, head_dim: int, seed: int = 0) -> dict:
+    """Time jfa.jagged_attention forward (GPU) on GEM-like bf16 self-attention; one bench-style row."""
+    import torch
+    import triton
+
+    from jfa import specs
+    from jfa.jagged import gem_lengths, lengths_to_offsets
+    from jfa.ops import jagged_attention
+
+    lengths = gem_lengths(batch, max_len, sparsity, seed)
+    offsets = lengths_to_offsets(lengths, device="cuda")
+    rows = int(lengths.sum())
+    q, k, v = (torch.randn(rows, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ms = triton.testing.do_bench(lambda: jagged_attention(q, k, v, offsets, offsets, max_len, max_len))
+    flops = specs.attention_flops(lengths.tolist(), lengths.tolist(), heads, head_dim)
+    return {"suite": "live", "case": f"B={batch},L={max_len},s={sparsity},H={heads},D={head_dim}",
+            "provider": "jfa", "pass": "fwd", "ms": ms, "tflops": specs.tflops(flops, ms), "ok": True}
+
+
+def gem_sweep_panel():
+    """L and s (and B, H, D where a live GPU can measure them) as controls; TFLOP/s of every provider."""
+    import ipywidgets
+
+    from jfa.plots import tflops_bar
+    from jfa.specs import BENCH_SUITES, GEM_BATCH, GEM_HEAD_DIM, GEM_HEADS
+
+    cases = BENCH_SUITES["gem"]
+    live = live_gpu()
+    rec = newest_bench("gem")
+    print(("jfa measured live on this GPU; peers from: " if live else "recorded, not live: ")
+          + (rec.provenance() if rec else NO_RECORDING))
+    if rec is None and not live:
+        return None
+    rows = rec.doc["rows"] if rec else []
+    controls = {
+        "max_len": ipywidgets.Dropdown(options=sorted({c["max_len"] for c in cases}), value=1024, description="L"),
+        "sparsity": ipywidgets.Dropdown(options=sorted({c["sparsity"] for c in cases}), value=0.5, description="s"),
+        "batch": ipywidgets.Dropdown(options=[GEM_BATCH] + ([64, 256] if live else []), value=GEM_BATCH,
+                                     description="B"),
+        "heads": ipywidgets.Dropdown(options=[GEM_HEADS] + ([8] if live else []), value=GEM_HEADS, description="H"),
+        "head_dim": ipywidgets.Dropdown(options=[GEM_HEAD_DIM] + ([64] if live else []), value=GEM_HEAD_DIM,
+                                        description="D"),
+        "pass_": ipywidgets.Dropdown(options=["fwd", "bwd"], value="fwd", description="pass"),
+    }
+
+    def render(max_len, sparsity, batch, heads, head_dim, pass_):
+        case = f"L={max_len},s={sparsity}"
+        standard = (batch, heads, head_dim) == (GEM_BATCH, GEM_HEADS, GEM_HEAD_DIM)
+        chosen = [r for r in rows if r["suite"] == "gem" and r["case"] == case] if standard else []
+        if live and pass_ == "fwd":
+            chosen.append(dict(measure_jfa_fwd(batch, max_len, sparsity, heads, head_dim), suite="gem", case=case))
+        if not chosen:
+            return Text(f"{NO_RECORDING} of B={batch}, {case}, H={heads}, D={head_dim}, {pass_}")
+        return tflops_bar(chosen, suite="gem", pass_=pass_,
+                          title=f"B={batch} H={heads} D={head_dim} {case}: {pass_} TFLOP/s")
+    return panel(controls, render)
