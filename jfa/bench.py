@@ -385,7 +385,7 @@ def measure_provider(case: dict, provider: str, builder: Callable, problems: lis
         extra.update(check_output(problems[0], runs[0].to_packed(first_out)))
         fwd = _rotating([run.forward for run in runs])
         fwd_bwd, grads = None, []
-        if runs[0].supports_backward:
+        if runs[0].no_backward is None:
             grad_outs = [torch.randn_like(first_out) for _ in runs]
             fwd_bwd = _rotating([_backward_step(run, g) for run, g in zip(runs, grad_outs)])
             grads = [t for run in runs for t in run.grad_inputs]
@@ -401,11 +401,10 @@ def measure_provider(case: dict, provider: str, builder: Callable, problems: lis
         for problem in problems:
             for t in (problem.q, problem.k, problem.v):
                 t.grad = None
-    no_backward = f"unavailable: {provider} has no backward for the {case['kind']!r} kind"
     rows = rows_for(result, None, extra)
     for row in rows:
-        if not row["ok"] and row["error"] is None:
-            row["error"] = no_backward
+        if not row["ok"] and row["error"] is None:  # a pass left out of `result`: no backward here
+            row["error"] = runs[0].no_backward
     return rows
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 VARLEN_KINDS = ("jagged", "pma", "dense", "block")
 EXPANDED_Q_NOTE = "Q expanded B times outside the timed region (peer has no broadcast-Q); dQ is not summed"
 BLOCKS_AS_SEQUENCES_NOTE = "each 64-token block passed as its own sequence"
+FP8_NO_BACKWARD = "unavailable: the FP8 kernels are forward-only"
 
 
 class ProviderUnavailable(RuntimeError):
@@ -43,7 +44,7 @@ class ProviderRun:
     forward: Callable[[], torch.Tensor]
     to_packed: Callable[[torch.Tensor], torch.Tensor]
     grad_inputs: list[torch.Tensor]
-    supports_backward: bool = True
+    no_backward: str | None = None  # why this provider has no backward here; None: it has one
     notes: list[str] = field(default_factory=list)
 
 
@@ -98,44 +99,69 @@ def _identity(out: torch.Tensor) -> torch.Tensor:
 
 
 # ---- jfa -------------------------------------------------------------------------------------
-def build_jfa(problem: Problem) -> ProviderRun:
-    """Our kernels through the public API; refuses to time the reference fallback."""
+JFA_KERNEL_BACKEND = "tlx-sm90"  # what jfa.backend_for(q) answers when the TLX forward kernel runs
+JFA_VALIDATED_NOTE = "inputs validated once outside the timed region; timed: the jfa custom op"
+
+
+def _jfa_kernel_or_why(module: str, q: torch.Tensor) -> str | None:
+    """None when jfa.kernels.<module> imports and accepts q, else why not (never time the reference)."""
+    try:
+        kernels = importlib.import_module(f"jfa.kernels.{module}")
+    except Exception as exc:  # a missing or broken kernel module is a reason, not a crash
+        return f"jfa.kernels.{module} did not import ({type(exc).__name__}: {exc})"
+    return None if kernels.is_supported(q) else f"jfa.kernels.{module}.is_supported(q) is False here"
+
+
+def _build_jfa_jagged(problem: Problem) -> ProviderRun:
+    """The jagged custom op, validated once here: `jfa.jagged_attention` re-reads the offsets on every
+    call (a device-to-host sync) that the peers do not pay, which would be timed otherwise."""
     jfa = _import("jfa", "jfa")
+    backend = jfa.backend_for(problem.q)
+    if backend != JFA_KERNEL_BACKEND:
+        raise ProviderUnavailable(f"jfa forward would run the {backend}")
     q, k, v = problem.q, problem.k, problem.v
-    grads = [q, k, v]
+    broadcast_q = problem.kind == "pma"
+    checked = jfa.jagged.validate_jagged_attention(q, k, v, problem.q_offsets, problem.kv_offsets, problem.max_q,
+                                                   problem.max_kv, sm_scale=None, causal=False, window=None,
+                                                   broadcast_q=broadcast_q)
+    args = (q, k, v, problem.q_offsets, problem.kv_offsets, checked.max_seq_len_q, checked.max_seq_len_kv,
+            checked.sm_scale, False, jfa.ops.NO_WINDOW, broadcast_q)
+    return ProviderRun(lambda: jfa.ops.jagged_attention_fwd(*args)[0], _identity, [q, k, v],
+                       no_backward=_jfa_kernel_or_why("jagged_bwd", q), notes=[JFA_VALIDATED_NOTE])
+
+
+def build_jfa(problem: Problem) -> ProviderRun:
+    """Our TLX kernels; refuses (unavailable) wherever jfa would fall back to the reference."""
     if problem.kind in ("jagged", "pma", "dense"):
-        fwd_kernels = _import("jfa.kernels.jagged_fwd", "jfa")
-        if not fwd_kernels.is_supported(q):
-            raise ProviderUnavailable("jfa.kernels.jagged_fwd.is_supported(q) is False here (would time the reference)")
-        if not hasattr(jfa, "jagged_attention"):
-            raise ProviderUnavailable("jfa.jagged_attention is not defined yet")
-        args = (q, k, v, problem.q_offsets, problem.kv_offsets, problem.max_q, problem.max_kv)
-        broadcast_q = problem.kind == "pma"
-        return ProviderRun(lambda: jfa.jagged_attention(*args, broadcast_q=broadcast_q), _identity, grads)
+        return _build_jfa_jagged(problem)
+    q, k, v = problem.q, problem.k, problem.v
     if problem.kind == "block":
-        if not hasattr(jfa, "block_attention"):
-            raise ProviderUnavailable("jfa.block_attention is not defined yet")
-        return ProviderRun(lambda: jfa.block_attention(q, k, v, problem.q_offsets), _identity, grads)
+        why = _jfa_kernel_or_why("block_attn", q)
+        if why:
+            raise ProviderUnavailable(why)
+        block = _import("jfa.block", "jfa")
+        return ProviderRun(lambda: block.block_attention(q, k, v, problem.q_offsets), _identity, [q, k, v])
+    jfa = _import("jfa", "jfa")
     if problem.kind == "block_sparse":
         if not hasattr(jfa, "block_sparse_attention"):
             raise ProviderUnavailable("jfa.block_sparse_attention is not defined yet")
         block = specs.BLOCK_SPARSE_BLOCK
         args = (q, k, v, problem.q_offsets, problem.kv_offsets, problem.kv_block_idx, block, block)
-        return ProviderRun(lambda: _first(jfa.block_sparse_attention(*args)), _identity, grads)
+        return ProviderRun(lambda: _first(jfa.block_sparse_attention(*args)), _identity, [q, k, v])
     if problem.kind == "fp8":
         if not hasattr(jfa, "jagged_attention_fp8"):
             raise ProviderUnavailable("jfa.jagged_attention_fp8 is not defined yet")
-        args = (q.detach(), k.detach(), v.detach(), problem.q_offsets, problem.kv_offsets, problem.max_q,
-                problem.max_kv)
-        return ProviderRun(lambda: _first(jfa.jagged_attention_fp8(*args)), _identity, [], supports_backward=False)
+        args = (q, k, v, problem.q_offsets, problem.kv_offsets, problem.max_q, problem.max_kv)
+        return ProviderRun(lambda: _first(jfa.jagged_attention_fp8(*args)), _identity, [],
+                           no_backward=FP8_NO_BACKWARD)
     raise ProviderUnavailable(f"jfa has no entry point for the {problem.kind!r} kind")
 
 
 # ---- FlashAttention 2 (PyTorch's varlen_attn), 3 and 4 ------------------------------------------
 def build_fa2(problem: Problem) -> ProviderRun:
     """FlashAttention-2 as shipped in PyTorch: `torch.nn.attention.varlen.varlen_attn`."""
-    varlen = _import("torch.nn.attention.varlen", "fa2")
     a = _varlen_args(problem, "fa2")
+    varlen = _import("torch.nn.attention.varlen", "fa2")
     # Positional: the first seven parameters are the same in torch 2.11 and 2.13 (keywords differ).
     return ProviderRun(lambda: varlen.varlen_attn(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv),
                        _identity, [a.q, a.k, a.v], notes=a.notes)
@@ -148,7 +174,7 @@ def build_fa3(problem: Problem) -> ProviderRun:
         q, k, v = problem.q.detach(), problem.k.detach(), problem.v.detach()
         run = lambda: _first(fa3.flash_attn_varlen_func(q, k, v, problem.q_offsets, problem.kv_offsets,  # noqa: E731
                                                         problem.max_q, problem.max_kv))
-        return ProviderRun(run, _identity, [], supports_backward=False)
+        return ProviderRun(run, _identity, [], no_backward=FP8_NO_BACKWARD)
     a = _varlen_args(problem, "fa3")
     return ProviderRun(lambda: _first(fa3.flash_attn_varlen_func(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv)),
                        _identity, [a.q, a.k, a.v], notes=a.notes)
@@ -156,8 +182,8 @@ def build_fa3(problem: Problem) -> ProviderRun:
 
 def build_fa4(problem: Problem) -> ProviderRun:
     """FlashAttention-4 (CuTe DSL, `flash_attn.cute`); on Hopper it runs its sm90 path."""
-    cute = _import("flash_attn.cute", "fa4")
     a = _varlen_args(problem, "fa4")
+    cute = _import("flash_attn.cute", "fa4")
     run = lambda: _first(cute.flash_attn_varlen_func(a.q, a.k, a.v, cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv,  # noqa: E731
                                                      max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv))
     return ProviderRun(run, _identity, [a.q, a.k, a.v], notes=a.notes)

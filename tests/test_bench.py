@@ -24,6 +24,12 @@ FWD_MS, FWD_BWD_MS = 1.0, 3.0
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def two_input_sets(monkeypatch):
+    """Rotation logic needs two sets to be exercised; more would only slow the CPU reference down."""
+    monkeypatch.setattr(specs, "BENCH_MAX_INPUT_SETS", 2)
+
+
 def small_case(kind="jagged", **over) -> dict:
     case = dict(suite="t", case=f"{kind}-case", kind=kind, batch=5, heads=2, head_dim=16, max_len=40, sparsity=0.5,
                 kv_len=None, q_len=None, density=None, dtype="bfloat16")
@@ -45,7 +51,7 @@ def reference_provider(problem) -> ProviderRun:
                                                     problem.kv_offsets, broadcast_q=problem.kind == "pma")
         return out.to(torch.bfloat16)
     return ProviderRun(forward, lambda out: out, [problem.q, problem.k, problem.v],
-                       supports_backward=problem.kind != "fp8")
+                       no_backward="unavailable: forward-only here" if problem.kind == "fp8" else None)
 
 
 def off_by_a_bit_provider(problem) -> ProviderRun:
@@ -85,7 +91,16 @@ def check_row_schema(row: dict) -> None:
         assert row["ms"] is None and row["tflops"] is None and isinstance(row["error"], str) and row["error"]
 
 
-def run(tmp_path, providers, registry, *, suites=("gem",), passes=("fwd", "bwd"), **kw):
+TINY_SUITE = (small_case(case="c1", batch=3, max_len=24), small_case(case="c2", batch=3, max_len=24, sparsity=1.0))
+
+
+@pytest.fixture
+def tiny_quick_suite(monkeypatch):
+    """A two-case suite "t" for whole runs: the run logic is the subject, not the shapes."""
+    monkeypatch.setitem(specs.BENCH_QUICK_SUITES, "t", TINY_SUITE)
+
+
+def run(tmp_path, providers, registry, *, suites=("t",), passes=("fwd", "bwd"), **kw):
     out = tmp_path / "run.json"
     stream = io.StringIO()
     done = bench.run_bench(list(suites), list(providers), list(passes), out, quick=True, device="cpu",
@@ -198,7 +213,7 @@ def test_block_sparse_selection_keeps_the_density():
 
 def test_input_sets_rotate_small_cases_only():
     small = meta_problem("jagged", [3], [3])
-    assert bench.input_sets_for(small) == specs.BENCH_MAX_INPUT_SETS
+    assert bench.input_sets_for(small) == specs.BENCH_MAX_INPUT_SETS == 2
     huge = meta_problem("jagged", [specs.BENCH_ROTATION_BYTES], [1], heads=1, head_dim=1)
     assert bench.input_sets_for(huge) == 1
 
@@ -231,10 +246,25 @@ def test_rotation_cycles_through_input_sets():
     assert seen == [0, 1, 2, 0, 1, 2, 0]
 
 
+# ---- real providers, where the CPU can say something about them -------------------------------------------
+def test_jfa_never_times_the_reference_fallback():
+    case = small_case()
+    rows = bench.measure_provider(case, "jfa", PROVIDERS["jfa"], bench.build_problems(case, "cpu"), ["fwd"], FakeTimer())
+    assert not rows[0]["ok"] and rows[0]["error"].startswith("unavailable: jfa forward would run the reference")
+
+
+@pytest.mark.parametrize("provider, kind", [("fa2", "block_sparse"), ("fa2", "fp8"), ("sdpa_flash", "jagged"),
+                                            ("sdpa_cudnn", "pma")])
+def test_peers_refuse_kinds_they_have_no_api_for(provider, kind):
+    case = small_case(kind, q_len=4, density=0.5, dtype="float8_e4m3fn" if kind == "fp8" else "bfloat16")
+    with pytest.raises(ProviderUnavailable, match=f"unavailable: {provider} has no API for the '{kind}' kind"):
+        PROVIDERS[provider](bench.build_problems(case, "cpu")[0])
+
+
 # ---- rows from providers ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind, extra", [("jagged", {}), ("jagged", {"kv_len": 24}), ("pma", {"q_len": 6}),
                                          ("dense", {}), ("block", {"max_len": 150}),
-                                         ("block_sparse", {"max_len": 300, "density": 0.5, "batch": 3})])
+                                         ("block_sparse", {"max_len": 260, "density": 0.5, "batch": 2})])
 def test_correct_provider_gives_ok_rows(kind, extra):
     case = small_case(kind, **extra)
     problems = bench.build_problems(case, "cpu")
@@ -255,7 +285,7 @@ def test_fp8_rows_check_cosine_and_say_no_backward():
     assert problems[0].q.dtype == torch.float8_e4m3fn
     rows = bench.measure_provider(case, "ref", reference_provider, problems, ["fwd", "bwd"], FakeTimer())
     assert rows[0]["ok"] and rows[0]["params"]["cosine"] > specs.MXFP8_MIN_COSINE
-    assert not rows[1]["ok"] and rows[1]["error"] == "unavailable: ref has no backward for the 'fp8' kind"
+    assert not rows[1]["ok"] and rows[1]["error"] == "unavailable: forward-only here"
 
 
 @pytest.mark.parametrize("builder, message", [
@@ -303,10 +333,10 @@ def test_negative_bwd_time_is_an_error_not_a_number():
 
 
 # ---- runs, JSON, resumability ------------------------------------------------------------------------
-def test_run_writes_the_schema(tmp_path):
+def test_run_writes_the_schema(tmp_path, tiny_quick_suite):
     done, data, log = run(tmp_path, ["ref", "bad"], {"ref": reference_provider, "bad": raising_provider})
     assert done and set(data) == {"env", "rows"} and data["env"] == FAKE_ENV
-    assert len(data["rows"]) == len(specs.BENCH_QUICK_SUITES["gem"]) * 2 * 2
+    assert len(data["rows"]) == len(TINY_SUITE) * 2 * 2
     for row in data["rows"]:
         check_row_schema(row)
     assert "4/4" in log and "FAILED" in log
@@ -319,7 +349,7 @@ def test_stored_fake_run_has_the_schema():
         check_row_schema(row)
 
 
-def test_resume_skips_what_is_there(tmp_path):
+def test_resume_skips_what_is_there(tmp_path, tiny_quick_suite):
     built = []
 
     def counting(name, inner):
@@ -335,19 +365,19 @@ def test_resume_skips_what_is_there(tmp_path):
     assert set(built[first:]) == {"b"}  # a's cases were skipped
     assert "rows already in" in log
     keys = [(r["case"], r["provider"], r["pass"]) for r in data["rows"]]
-    assert len(keys) == len(set(keys)) == len(specs.BENCH_QUICK_SUITES["gem"]) * 2 * 2
+    assert len(keys) == len(set(keys)) == len(TINY_SUITE) * 2 * 2
 
 
-def test_max_seconds_stops_cleanly_and_resumes(tmp_path):
+def test_max_seconds_stops_cleanly_and_resumes(tmp_path, tiny_quick_suite):
     ticks = iter(range(0, 1000, 10))  # every clock read advances 10 s
     done, data, log = run(tmp_path, ["a"], {"a": reference_provider}, max_seconds=15, clock=lambda: next(ticks))
     assert not done and "to resume" in log
-    assert {r["case"] for r in data["rows"]} == {specs.BENCH_QUICK_SUITES["gem"][0]["case"]}
+    assert {r["case"] for r in data["rows"]} == {TINY_SUITE[0]["case"]}
     done, data, _ = run(tmp_path, ["a"], {"a": reference_provider})
-    assert done and len(data["rows"]) == len(specs.BENCH_QUICK_SUITES["gem"]) * 2
+    assert done and len(data["rows"]) == len(TINY_SUITE) * 2
 
 
-def test_redo_failed_runs_failures_again(tmp_path):
+def test_redo_failed_runs_failures_again(tmp_path, tiny_quick_suite):
     run(tmp_path, ["a"], {"a": raising_provider})
     _, data, _ = run(tmp_path, ["a"], {"a": reference_provider}, redo_failed=True)
     assert data["rows"] and all(r["ok"] for r in data["rows"])
