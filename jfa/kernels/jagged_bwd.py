@@ -1,0 +1,592 @@
+"""Jagged flash-attention backward for Hopper (sm_90), warp-specialized with TLX.
+
+Semantics are those of `docs/CONTRACTS.md`; the math is `jfa.reference.jagged_attention_bwd_ref`:
+Delta = rowsum(O * dO), P = exp(S*scale - LSE), dV = P^T dO, dS = P * (dP - Delta) with dP = dO V^T,
+dK = scale * dS^T Q, dQ = scale * dS K.
+
+KV-stationary. A *tile* is (sequence b, KV block of BLOCK_N keys, KV head). One program holds the
+tile's K and V in shared memory, streams every query block that can see those keys (of every query
+head of the GQA group) through a ring, and accumulates dK and dV in registers. So dK and dV are
+written once per tile, in the input dtype, with no atomics: the GQA group sum is a register sum.
+dQ is the only gradient that several programs add to (every KV tile of a sequence contributes to
+every query row that sees it), so it goes through an fp32 accumulator:
+
+- default: each consumer adds its `[BLOCK_M, D]` dQ piece with fp32 atomics (`red.global.add`),
+  then one cast kernel; with broadcast-Q every program adds into its own copy of the shared
+  query's dQ (B sequences would otherwise all hit the same `q_len` rows) and one reduce sums them;
+- `deterministic=True`: the TLX kernel computes dK and dV only, and dQ comes from a separate
+  query-stationary kernel (`_dq_kernel`) in which each program owns its rows and walks the keys in
+  a fixed order: no float atomics, bitwise-reproducible, at the price of recomputing S and dP.
+
+Warp roles of the TLX kernel (`tlx.async_tasks`):
+- producer (the default task, one warpgroup, few registers): TMA loads of the tile's K and V (one
+  `[BLOCK_N/2, D]` half per consumer, guarded by `kv_full` / `kv_empty` mbarriers) and of each
+  query block's Q and dO into a ring (`q_full` / `q_empty`);
+- two consumers (`replicate=2`), each owning BLOCK_N/2 keys of the tile, so both read the same
+  Q/dO slot: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T and dS^T in registers,
+  dV += P^T dO and dK += dS^T Q by wgmma with the A operand from registers, dQ = dS K by wgmma with
+  dS^T staged in shared memory (wgmma reads a transposed A only from there).
+
+K is fed unscaled and the scale folds into the exp2 argument (`qk_scale_log2`): a bf16 K scaled in
+advance overflowed exp2 in the seed and gave NaN gradients at large activations.
+
+Jagged addressing and masks. q/dO are viewed as `[T, H*D]` and k/v as `[Tk, Hkv*D]`; a TMA box is
+`[BLOCK_M, D]` rows of one head. Boxes may run into the next sequence (or past the tensor end, where
+TMA fills zeros). Masking P^T to 0 for keys past the sequence end and for query rows past it makes
+those rows contribute nothing, and dK/dV/dQ are written with row masks, so other sequences' rows
+are never touched.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+import triton.language.extra.tlx as tlx
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from jfa import specs
+from jfa.kernels.common import LOG2E, ring_slot, visible_mask
+
+NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, each owning half the tile's keys
+WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
+PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
+
+# BLOCK_N keys per tile (BLOCK_N/2 per consumer), BLOCK_M query rows per streamed block, ring depths
+# and the consumers' setmaxnreg budget. A consumer holds dK and dV ([64, D] fp32 each) plus the dQ
+# piece, so it needs most of the register file: 2 x 240 + producer 24 (x128 threads) <= 64K.
+# Shared memory at D=128 bf16: K,V 2x32 KB + Q,dO ring 2x(16+16) KB + dS^T staging 2x8 KB = 144 KB.
+TUNING = {
+    64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
+    128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=1, CONSUMER_REGISTERS=240),
+}
+# The deterministic dQ kernel is plain Triton (no warp specialization): query rows per program and
+# keys per step.
+DQ_BLOCK_M = 64
+DQ_BLOCK_N = 64
+DQ_NUM_WARPS = 4
+DELTA_BLOCK_ROWS = 64  # rows per program of the Delta preprocess
+
+
+# ---- device code -------------------------------------------------------------------------------
+
+@triton.jit
+def _delta_kernel(out_ptr, dout_ptr, delta_ptr, num_rows, num_heads, stride_row, stride_delta_head,
+                  HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Delta[h, row] = sum_d O[row, h, d] * dO[row, h, d] in fp32 (the softmax backward's row term)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = rows < num_rows
+    offs = rows.to(tl.int64)[:, None] * stride_row + head * HEAD_DIM + dims[None, :]
+    o = tl.load(out_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    do = tl.load(dout_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + head.to(tl.int64) * stride_delta_head + rows, tl.sum(o * do, 1), mask=valid)
+
+
+@triton.jit
+def _visible_keys_by_queries(kv_cols, q_rows, q_len, kv_len, window, CAUSAL: tl.constexpr,
+                             HAS_WINDOW: tl.constexpr):
+    """[keys, queries] booleans: the transpose of `common.visible_mask`, plus query-row validity.
+
+    The backward computes S^T, so the mask is built in that orientation directly (transposing a
+    register tile would cost a trip through shared memory). Query rows past the sequence end are
+    another sequence's and must add nothing to dK/dV, hence the extra `q_rows < q_len`.
+    """
+    visible = (kv_cols[:, None] < kv_len) & (q_rows[None, :] < q_len)
+    if CAUSAL:
+        visible = visible & (kv_cols[:, None] <= q_rows[None, :] + (kv_len - q_len))
+    if HAS_WINDOW:
+        visible = visible & (kv_cols[:, None] >= q_rows[None, :] - window)
+        visible = visible & (kv_cols[:, None] <= q_rows[None, :] + window)
+    return visible
+
+
+@triton.jit
+def _sequence_rows(seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q: tl.constexpr):
+    """(q_start, q_len, out_row0, kv_start, kv_len) of sequence `seq`.
+
+    With broadcast-Q every sequence reads the one shared query (rows 0..q_len-1) while its output
+    rows (dO, LSE, Delta) start at seq * q_len.
+    """
+    kv_start = tl.load(kv_offsets_ptr + seq)
+    kv_len = tl.load(kv_offsets_ptr + seq + 1) - kv_start
+    if BROADCAST_Q:
+        q_start = 0
+        q_len = broadcast_q_len
+        out_row0 = seq * broadcast_q_len
+    else:
+        q_start = tl.load(q_offsets_ptr + seq)
+        q_len = tl.load(q_offsets_ptr + seq + 1) - q_start
+        out_row0 = q_start
+    return q_start, q_len, out_row0, kv_start, kv_len
+
+
+@triton.jit
+def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_kv_heads,
+                      kv_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      BROADCAST_Q: tl.constexpr):
+    """Decode tile id -> its keys and the query blocks that see them.
+
+    Returns (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks):
+    the tile's keys are sequence-local columns col0 .. col0+BLOCK_N-1, and it visits query blocks
+    starting at sequence-local rows first_row + i*BLOCK_M for i < num_q_blocks. Query i sees key j
+    (causal) iff i >= j - (kv_len - q_len), and (window) iff j - W <= i <= j + W.
+    """
+    entry = tl.load(tile_entries_ptr + tile // num_kv_heads)
+    kv_head = tile % num_kv_heads
+    seq = entry // kv_blocks_per_seq
+    col0 = (entry % kv_blocks_per_seq) * BLOCK_N
+    q_start, q_len, out_row0, kv_start, kv_len = _sequence_rows(
+        seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q)
+    col_last = tl.minimum(col0 + BLOCK_N, kv_len) - 1  # last real key of the tile
+    q_lo = 0
+    q_hi = q_len
+    if CAUSAL:
+        q_lo = tl.maximum(q_lo, col0 - (kv_len - q_len))
+    if HAS_WINDOW:
+        q_lo = tl.maximum(q_lo, col0 - window)
+        q_hi = tl.minimum(q_hi, col_last + window + 1)
+    first_row = (q_lo // BLOCK_M) * BLOCK_M
+    num_q_blocks = tl.where(q_hi > q_lo, tl.cdiv(q_hi - first_row, BLOCK_M), 0)
+    return (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks)
+
+
+@triton.jit
+def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dk, dv, lse_ptr, delta_ptr,
+                     dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, q_row0, window,
+                     stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr, COMPUTE_DQ: tl.constexpr):
+    """One query block against this consumer's keys: update dK, dV; add its dQ piece.
+
+    S^T and dP^T are issued back to back so the second runs on the tensor cores while the first's
+    exp2 is computed. The wgmma that reads dS^T from shared memory is waited for before returning,
+    so the next step may overwrite the staging buffer.
+    """
+    dtype: tl.constexpr = q_tile.dtype
+    s_t = tlx.async_dot(k_tile, tlx.local_trans(q_tile))
+    dp_t = tlx.async_dot(v_tile, tlx.local_trans(do_tile))
+    q_rows = q_row0 + tl.arange(0, BLOCK_M)
+    row_ok = q_rows < q_len
+    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows,
+                  mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows,
+                    mask=row_ok, other=0.0)
+    s_t = tlx.async_dot_wait(1, s_t)
+    # tl.where, not a multiply: masked entries may be exp2(+inf) (rows whose LSE is -inf).
+    p_t = tl.math.exp2(s_t * qk_scale_log2 - (lse * LOG2E)[None, :])
+    visible = _visible_keys_by_queries(kv_cols, q_rows, q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+    p_t = tl.where(visible, p_t, 0.0)
+    dp_t = tlx.async_dot_wait(0, dp_t)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dv = tlx.async_dot(p_t.to(dtype), do_tile, dv)
+    ds_t_low = ds_t.to(dtype)
+    dk = tlx.async_dot(ds_t_low, q_tile, dk)
+    if COMPUTE_DQ:
+        tlx.local_store(ds_stage, ds_t_low)
+        tlx.fence_async_shared()
+        dq = tlx.async_dot(tlx.local_trans(ds_stage), k_tile)
+        dq = tlx.async_dot_wait(0, dq)
+        dims = tl.arange(0, HEAD_DIM)
+        ptrs = (dq_ptr + (q_start + q_rows).to(tl.int64)[:, None] * stride_dq_row
+                + head * HEAD_DIM + dims[None, :])
+        tl.atomic_add(ptrs, dq * sm_scale, mask=row_ok[:, None], sem="relaxed")
+    dv = tlx.async_dot_wait(0, dv)
+    dk = tlx.async_dot_wait(0, dk)
+    return dk, dv
+
+
+@triton.jit
+def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv_row,
+                    HEAD_DIM: tl.constexpr):
+    """Masked store of a consumer's dK, dV rows (keys past the sequence end are another's)."""
+    dims = tl.arange(0, HEAD_DIM)
+    offs = kv_rows.to(tl.int64)[:, None] * stride_dkv_row + kv_head * HEAD_DIM + dims[None, :]
+    tl.store(dk_ptr + offs, dk, mask=row_ok[:, None])
+    tl.store(dv_ptr + offs, dv, mask=row_ok[:, None])
+
+
+@triton.jit
+def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, lse_ptr, delta_ptr, dq_accum_ptr, dk_ptr,
+                       dv_ptr, q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr,
+                       stride_lse_head, stride_delta_head, stride_dq_row, dq_partial_stride,
+                       stride_dkv_row, num_kv_heads, kv_blocks_per_seq, broadcast_q_len, window,
+                       gqa_group, qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                       HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr,
+                       COMPUTE_DQ: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr,
+                       NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr):
+    CONSUMERS: tl.constexpr = NUM_CONSUMERS
+    KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
+    dtype: tl.constexpr = tlx.dtype_of(desc_q)
+    Q_BYTES: tl.constexpr = BLOCK_M * HEAD_DIM * tlx.size_of(dtype)
+    KV_HALF_BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(dtype)
+
+    num_tiles = tl.load(num_entries_ptr) * num_kv_heads
+    first_tile = tl.program_id(0)
+    tile_stride = tl.num_programs(0)
+    # Broadcast-Q: this program's own copy of dQ, so the B sequences do not all add into the same
+    # q_len rows (dq_partial_stride is 0 otherwise: one shared accumulator).
+    dq_ptr = dq_accum_ptr + first_tile.to(tl.int64) * dq_partial_stride
+
+    q_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
+    do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
+    k_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
+    v_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
+    ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
+    q_fulls = tlx.alloc_barriers(num_barriers=NUM_Q_BUFFERS, arrive_count=1)
+    q_empties = tlx.alloc_barriers(num_barriers=NUM_Q_BUFFERS, arrive_count=CONSUMERS)
+    kv_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
+    kv_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+
+    with tlx.async_tasks():
+        with tlx.async_task("default"):  # producer: TMA loads only
+            kv_loads = 0
+            q_loads = 0
+            for tile in range(first_tile, num_tiles, tile_stride):
+                (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
+                 num_q_blocks) = _kv_tile_geometry(
+                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_kv_heads,
+                     kv_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, CAUSAL,
+                     HAS_WINDOW, BROADCAST_Q)
+                if num_q_blocks > 0:
+                    kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
+                    tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
+                    tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
+                    for c in tl.static_range(CONSUMERS):
+                        kv_coord = [kv_start + col0 + c * KEYS, kv_head * HEAD_DIM]
+                        tlx.async_descriptor_load(desc_k, k_tiles[kv_slot * CONSUMERS + c],
+                                                  kv_coord, kv_fulls[kv_slot])
+                        tlx.async_descriptor_load(desc_v, v_tiles[kv_slot * CONSUMERS + c],
+                                                  kv_coord, kv_fulls[kv_slot])
+                    kv_loads += 1
+                    for g in range(gqa_group):
+                        head = kv_head * gqa_group + g
+                        for block in range(num_q_blocks):
+                            row = first_row + block * BLOCK_M
+                            slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
+                            tlx.barrier_wait(q_empties[slot], phase ^ 1)
+                            tlx.barrier_expect_bytes(q_fulls[slot], 2 * Q_BYTES)
+                            tlx.async_descriptor_load(desc_q, q_tiles[slot],
+                                                      [q_start + row, head * HEAD_DIM],
+                                                      q_fulls[slot])
+                            tlx.async_descriptor_load(desc_do, do_tiles[slot],
+                                                      [out_row0 + row, head * HEAD_DIM],
+                                                      q_fulls[slot])
+                            q_loads += 1
+
+        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS,
+                            replicate=CONSUMERS):
+            cid: tl.constexpr = tlx.async_task_replica_id()
+            ds_stage = ds_stages[cid]
+            kv_loads = 0
+            q_loads = 0
+            for tile in range(first_tile, num_tiles, tile_stride):
+                (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
+                 num_q_blocks) = _kv_tile_geometry(
+                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_kv_heads,
+                     kv_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, CAUSAL,
+                     HAS_WINDOW, BROADCAST_Q)
+                kv_cols = col0 + cid * KEYS + tl.arange(0, KEYS)
+                kv_ok = kv_cols < kv_len
+                if num_q_blocks > 0:
+                    kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
+                    tlx.barrier_wait(kv_fulls[kv_slot], kv_phase)
+                    k_tile = k_tiles[kv_slot * CONSUMERS + cid]
+                    v_tile = v_tiles[kv_slot * CONSUMERS + cid]
+                    dk = tl.zeros([KEYS, HEAD_DIM], tl.float32)
+                    dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
+                    for g in range(gqa_group):
+                        head = kv_head * gqa_group + g
+                        for block in range(num_q_blocks):
+                            slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
+                            tlx.barrier_wait(q_fulls[slot], phase)
+                            dk, dv = _consumer_q_step(
+                                q_tiles[slot], do_tiles[slot], k_tile, v_tile, ds_stage, dk, dv,
+                                lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0,
+                                kv_len, kv_cols, first_row + block * BLOCK_M, window,
+                                stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2,
+                                sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, COMPUTE_DQ)
+                            tlx.barrier_arrive(q_empties[slot], 1)
+                            q_loads += 1
+                    tlx.barrier_arrive(kv_empties[kv_slot], 1)
+                    kv_loads += 1
+                    # Store inside the branch: joining the wgmma accumulators with a zero tile
+                    # would route them through shared memory for a layout change.
+                    _store_kv_grads(dk_ptr, dv_ptr, (dk * sm_scale).to(dtype), dv.to(dtype),
+                                    kv_start + kv_cols, kv_ok, kv_head, stride_dkv_row, HEAD_DIM)
+                else:  # no query sees these keys: their gradients are 0
+                    zeros = tl.zeros([KEYS, HEAD_DIM], dtype)
+                    _store_kv_grads(dk_ptr, dv_ptr, zeros, zeros, kv_start + kv_cols, kv_ok,
+                                    kv_head, stride_dkv_row, HEAD_DIM)
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
+               kv_offsets_ptr, stride_q_row, stride_kv_row, stride_lse_head, stride_delta_head,
+               dq_partial_stride, broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
+    """Deterministic dQ: one program owns (query block, sequence, head) and walks its keys in order.
+
+    Plain Triton, query-stationary: it recomputes S and dP (the KV-stationary kernel has them, but
+    adding its pieces needs atomics, whose order is not reproducible). With broadcast-Q each
+    sequence writes its own fp32 partial `dq_ptr[seq]`, summed in a fixed order afterwards.
+    """
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // gqa_group
+    q_start, q_len, out_row0, kv_start, kv_len = _sequence_rows(
+        seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q)
+    row_lo = q_block * BLOCK_M
+    if row_lo < q_len:
+        rows = row_lo + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        dims = tl.arange(0, HEAD_DIM)
+        q_offs = (q_start + rows).to(tl.int64)[:, None] * stride_q_row + head * HEAD_DIM + dims[None, :]
+        o_offs = (out_row0 + rows).to(tl.int64)[:, None] * stride_q_row + head * HEAD_DIM + dims[None, :]
+        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_ptr + o_offs, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + rows, mask=row_ok,
+                      other=0.0)
+        delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + rows,
+                        mask=row_ok, other=0.0)
+        row_hi = tl.minimum(row_lo + BLOCK_M, q_len) - 1
+        kv_lo = 0
+        kv_hi = kv_len
+        if CAUSAL:
+            kv_hi = tl.minimum(kv_hi, row_hi + (kv_len - q_len) + 1)
+        if HAS_WINDOW:
+            kv_lo = tl.maximum(row_lo - window, 0)
+            kv_hi = tl.minimum(kv_hi, row_hi + window + 1)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for col0 in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
+            cols = col0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < kv_len
+            kv_offs = ((kv_start + cols).to(tl.int64)[:, None] * stride_kv_row + kv_head * HEAD_DIM
+                       + dims[None, :])
+            k = tl.load(k_ptr + kv_offs, mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_offs, mask=col_ok[:, None], other=0.0)
+            p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale_log2 - (lse * LOG2E)[:, None])
+            visible = visible_mask(rows, cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+            p = tl.where(visible & row_ok[:, None], p, 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            acc = tl.dot(ds.to(k.dtype), k, acc)
+        dq_offs = (q_start + rows).to(tl.int64)[:, None] * stride_q_row + head * HEAD_DIM + dims[None, :]
+        out_ptrs = dq_ptr + seq.to(tl.int64) * dq_partial_stride + dq_offs
+        tl.store(out_ptrs, (acc * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ---- host side: schedule -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVTileSchedule:
+    """The backward's tile list: `entries[i] = seq * kv_blocks_per_seq + kv_block`, real ones first.
+
+    `num_entries` (int32, one element, on the device) counts the real entries; `max_entries` is its
+    host-known bound, which sizes the persistent grid. Tile t is entry t // Hkv, KV head t % Hkv.
+    """
+
+    entries: torch.Tensor
+    num_entries: torch.Tensor
+    kv_blocks_per_seq: int
+    max_entries: int
+
+
+def q_blocks_per_kv_tile(q_lens: torch.Tensor, kv_lens: torch.Tensor, kv_blocks_per_seq: int, *,
+                         block_m: int, block_n: int, causal: bool, window: int | None) -> torch.Tensor:
+    """Query blocks each (sequence, KV block) visits, [B, kv_blocks_per_seq]; -1 past the end.
+
+    The same range arithmetic as the kernel's `_kv_tile_geometry`, vectorized (int64).
+    """
+    q_lens = q_lens.to(torch.int64)[:, None]
+    kv_lens = kv_lens.to(torch.int64)[:, None]
+    col0 = torch.arange(kv_blocks_per_seq, device=q_lens.device, dtype=torch.int64)[None, :] * block_n
+    col_last = torch.minimum(col0 + block_n, kv_lens) - 1
+    q_lo = torch.zeros_like(col_last)
+    q_hi = q_lens.expand_as(col_last)
+    if causal:
+        q_lo = torch.maximum(q_lo, col0 - (kv_lens - q_lens))
+    if window is not None:
+        q_lo = torch.maximum(q_lo, col0 - window)
+        q_hi = torch.minimum(q_hi, col_last + window + 1)
+    first_row = torch.div(q_lo, block_m, rounding_mode="floor") * block_m
+    blocks = torch.where(q_hi > q_lo, (q_hi - first_row + block_m - 1) // block_m, 0)
+    return torch.where(col0 < kv_lens, blocks, -1)
+
+
+def build_kv_tile_schedule(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, *, max_seq_len_kv: int,
+                           broadcast_q_len: int, block_m: int, block_n: int, causal: bool,
+                           window: int | None) -> KVTileSchedule:
+    """KV tiles sorted by query work, longest first, built with device ops (no GPU->CPU sync).
+
+    The forward's `jfa.schedule` orders query blocks by the keys they visit; the backward needs the
+    transpose (KV blocks by the queries that see them), whose causal bound runs the other way.
+    Tiles with no work stay in the list: their dK and dV rows must still be written (as zeros).
+    """
+    kv_blocks_per_seq = max(1, -(-max_seq_len_kv // block_n))
+    kv_lens = kv_offsets[1:] - kv_offsets[:-1]
+    q_lens = torch.full_like(kv_lens, broadcast_q_len) if broadcast_q_len else q_offsets[1:] - q_offsets[:-1]
+    work = q_blocks_per_kv_tile(q_lens, kv_lens, kv_blocks_per_seq, block_m=block_m, block_n=block_n,
+                                causal=causal, window=window)
+    order = torch.argsort(work.reshape(-1), descending=True, stable=True)
+    num_entries = (work >= 0).sum().reshape(1)
+    return KVTileSchedule(entries=order.to(torch.int32), num_entries=num_entries.to(torch.int32),
+                          kv_blocks_per_seq=kv_blocks_per_seq, max_entries=work.numel())
+
+
+# ---- host side: configuration, inspection, launch ----------------------------------------------
+
+_TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SIGNATURE_SCALARS = dict(
+    lse_ptr="*fp32", delta_ptr="*fp32", dq_accum_ptr="*fp32", dk_ptr=None, dv_ptr=None,
+    q_offsets_ptr="*i32", kv_offsets_ptr="*i32", tile_entries_ptr="*i32", num_entries_ptr="*i32",
+    stride_lse_head="i32", stride_delta_head="i32", stride_dq_row="i32", dq_partial_stride="i64",
+    stride_dkv_row="i32", num_kv_heads="i32", kv_blocks_per_seq="i32", broadcast_q_len="i32",
+    window="i32", gqa_group="i32", qk_scale_log2="fp32", sm_scale="fp32")
+
+
+def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, window: int | None = None,
+                  broadcast_q: bool = False, deterministic: bool = False) -> dict:
+    """The TLX kernel's constexprs for one problem class (tuning from TUNING, flags from the problem)."""
+    if head_dim not in TUNING:
+        raise ValueError(f"head_dim must be one of {sorted(TUNING)}, got {head_dim}")
+    if dtype not in _TRITON_DTYPE_NAMES:
+        raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
+    return dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
+                BROADCAST_Q=bool(broadcast_q), COMPUTE_DQ=not deterministic, **TUNING[head_dim])
+
+
+def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                 window: int | None = None, broadcast_q: bool = False, deterministic: bool = False):
+    """Compile-only description of one TLX configuration, for `jfa.inspect.inspect` (no GPU needed)."""
+    from jfa.inspect import KernelSpec
+
+    constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
+                               deterministic=deterministic)
+    name = _TRITON_DTYPE_NAMES[dtype]
+    keys = constexprs["BLOCK_N"] // NUM_CONSUMERS.value
+    signature = dict(desc_q=f"tensordesc<{name}[{constexprs['BLOCK_M']}, {head_dim}]>",
+                     desc_k=f"tensordesc<{name}[{keys}, {head_dim}]>",
+                     desc_v=f"tensordesc<{name}[{keys}, {head_dim}]>",
+                     desc_do=f"tensordesc<{name}[{constexprs['BLOCK_M']}, {head_dim}]>",
+                     **_SIGNATURE_SCALARS)
+    signature["dk_ptr"] = signature["dv_ptr"] = f"*{name}"
+    signature.update({k: "constexpr" for k in constexprs})
+    return KernelSpec(fn=_jagged_bwd_kernel, signature=signature, constexprs=constexprs,
+                      num_warps=PRODUCER_WARPS, name="jagged_bwd",
+                      role_names=("producer", "consumer0", "consumer1"), target="sm_90")
+
+
+def dq_inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                    window: int | None = None, broadcast_q: bool = False):
+    """Compile-only description of the deterministic dQ kernel (fp32 partials with broadcast-Q)."""
+    from jfa.inspect import KernelSpec
+
+    name = _TRITON_DTYPE_NAMES[dtype]
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, CAUSAL=bool(causal),
+                      HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q))
+    signature = dict(q_ptr=f"*{name}", k_ptr=f"*{name}", v_ptr=f"*{name}", do_ptr=f"*{name}",
+                     lse_ptr="*fp32", delta_ptr="*fp32", dq_ptr="*fp32" if broadcast_q else f"*{name}",
+                     q_offsets_ptr="*i32", kv_offsets_ptr="*i32", stride_q_row="i32",
+                     stride_kv_row="i32", stride_lse_head="i32", stride_delta_head="i32",
+                     dq_partial_stride="i64", broadcast_q_len="i32", window="i32", gqa_group="i32",
+                     qk_scale_log2="fp32", sm_scale="fp32", **{k: "constexpr" for k in constexprs})
+    return KernelSpec(fn=_dq_kernel, signature=signature, constexprs=constexprs, num_warps=DQ_NUM_WARPS,
+                      num_stages=2, name="jagged_bwd_dq", target="sm_90")
+
+
+def is_supported(q: torch.Tensor) -> bool:
+    """True when this kernel can run q's problem here: a Hopper GPU, a supported dtype and head_dim."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in specs.SUPPORTED_DTYPES and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
+
+
+def _rows_descriptor(t: torch.Tensor, box_rows: int) -> TensorDescriptor:
+    """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`, one box = `box_rows` rows of one head."""
+    rows, heads, dim = t.shape
+    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[heads * dim, 1], block_shape=[box_rows, dim])
+
+
+def compute_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """Delta = rowsum(O * dO) in fp32, `[Hq, Tq_out]` like the LSE (one small Triton kernel)."""
+    rows, heads, head_dim = out.shape
+    delta = torch.empty((heads, rows), dtype=torch.float32, device=out.device)
+    if rows:
+        grid = (triton.cdiv(rows, DELTA_BLOCK_ROWS), heads)
+        _delta_kernel[grid](out, dout, delta, rows, heads, heads * head_dim, delta.stride(0),
+                            HEAD_DIM=head_dim, BLOCK_ROWS=DELTA_BLOCK_ROWS)
+    return delta
+
+
+def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
+                         sm_scale, causal, window, broadcast_q, *, deterministic=False, grads=None):
+    """Run the backward; returns (dq, dk, dv) in the dtypes of q, k, v.
+
+    Inputs are already validated (`jfa.jagged.validate_jagged_attention`), CUDA, contiguous rows;
+    `out`/`lse` are the forward's. `grads` may give the (dq, dk, dv) buffers to fill, so tests can
+    poison them. `deterministic=True` makes every gradient bitwise reproducible (see the module doc).
+    """
+    num_seqs = kv_offsets.numel() - 1
+    q_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    broadcast_q_len = q.shape[0] if broadcast_q else 0
+    if grads is None:
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    dq, dk, dv = grads
+    if q.shape[0] == 0 or k.shape[0] == 0 or num_seqs == 0:  # no scores anywhere, no gradient
+        for g in grads:
+            g.zero_()
+        return dq, dk, dv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    # Computing a missing bound costs a device sync; callers on the hot path pass both.
+    if max_seq_len_kv is None:
+        max_seq_len_kv = int((kv_offsets[1:] - kv_offsets[:-1]).max())
+    if max_seq_len_q is None:
+        max_seq_len_q = broadcast_q_len if broadcast_q else int((q_offsets[1:] - q_offsets[:-1]).max())
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    delta = compute_delta(out, dout)
+    config = kernel_config(head_dim, q.dtype, causal=causal, window=window, broadcast_q=broadcast_q,
+                           deterministic=deterministic)
+    schedule = build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=max_seq_len_kv,
+                                      broadcast_q_len=broadcast_q_len, block_m=config["BLOCK_M"],
+                                      block_n=config["BLOCK_N"], causal=causal, window=window)
+    max_tiles = schedule.max_entries * kv_heads
+    grid = (max(1, min(torch.cuda.get_device_properties(q.device).multi_processor_count, max_tiles)),)
+    row_width = q_heads * head_dim
+    # fp32 dQ accumulator: one copy per program with broadcast-Q (summed below), else one shared.
+    partials = grid[0] if (broadcast_q and not deterministic) else 1
+    dq_accum = (torch.zeros((partials, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
+                if not deterministic else dq)
+    qk_scale_log2 = sm_scale * LOG2E.value
+    _jagged_bwd_kernel[grid](
+        _rows_descriptor(q, config["BLOCK_M"]), _rows_descriptor(k, config["BLOCK_N"] // NUM_CONSUMERS.value),
+        _rows_descriptor(v, config["BLOCK_N"] // NUM_CONSUMERS.value), _rows_descriptor(dout, config["BLOCK_M"]),
+        lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
+        lse.stride(0), delta.stride(0), row_width, q.shape[0] * row_width if partials > 1 else 0,
+        kv_heads * head_dim, kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
+        0 if window is None else window, q_heads // kv_heads, qk_scale_log2, sm_scale,
+        num_warps=PRODUCER_WARPS, num_stages=1, **config)
+    if not deterministic:
+        dq.copy_(dq_accum.sum(0) if partials > 1 else dq_accum[0])
+        return dq, dk, dv
+    # Deterministic dQ: broadcast-Q writes one fp32 partial per sequence, summed in a fixed order.
+    dq_target = (torch.empty((num_seqs, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
+                 if broadcast_q else dq)
+    q_blocks = triton.cdiv(broadcast_q_len if broadcast_q else max_seq_len_q, DQ_BLOCK_M)
+    _dq_kernel[(max(1, q_blocks), num_seqs, q_heads)](
+        q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, row_width, kv_heads * head_dim,
+        lse.stride(0), delta.stride(0), q.shape[0] * row_width if broadcast_q else 0, broadcast_q_len,
+        0 if window is None else window, q_heads // kv_heads, qk_scale_log2, sm_scale,
+        HEAD_DIM=head_dim, BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, CAUSAL=bool(causal),
+        HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q), num_warps=DQ_NUM_WARPS, num_stages=2)
+    if broadcast_q:
+        dq.copy_(dq_target.sum(0))
+    return dq, dk, dv
