@@ -1,0 +1,142 @@
+"""Building blocks shared by the Hopper TLX attention kernels (jagged forward, block attention, forks).
+
+Each helper is a small `@triton.jit` function that the kernels inline. They hold the pieces that are
+easy to get subtly wrong and that every warp-specialized attention kernel needs in the same form:
+
+- `ring_slot`: which buffer of an N-deep ring a running counter lands in, and the mbarrier phase
+  to wait for. Producer and consumer keep the same counter, so they agree without talking.
+- `pingpong_enter` / `pingpong_exit`: the two consumer warpgroups take turns issuing wgmma, so one
+  warpgroup's softmax overlaps the other's matrix multiply instead of both fighting for the tensor
+  cores at once (FlashAttention-3's "ping-pong" schedule).
+- `visible_mask`: which (query, key) pairs of a score tile may attend, in sequence-local positions
+  (key padding, bottom-right causal, symmetric window), exactly as docs/CONTRACTS.md defines them.
+- `online_softmax_step`: one KV tile of the streaming softmax in the exp2 domain, with the
+  conditional rescale of the running maximum.
+- `finalize_rows`: the epilogue math: normalize by the row sum and form the natural-log LSE, with the
+  "row saw no key" case giving 0 and -inf.
+"""
+import triton
+import triton.language as tl
+import triton.language.extra.tlx as tlx
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in exp2: e^x = 2^(x*log2 e)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # back to natural log for the LSE
+
+# Keep the running row maximum (and skip moving the accumulator to a new reference) until the new
+# tile's maximum exceeds it by more than this many log2 units. Probabilities are then bounded by
+# 2^8 = 256 before normalization, far inside fp32 and bf16 range, and most KV tiles after the first
+# few leave the reference unchanged (the seed's choice of 8).
+RESCALE_THRESHOLD_LOG2: tl.constexpr = tl.constexpr(8.0)
+
+# Named barriers 0..15 exist per CTA; Triton itself uses low ids, the TLX tutorials use 9 and 10
+# for the ping-pong handshake and so do we.
+PINGPONG_BARRIER_FIRST: tl.constexpr = tl.constexpr(9)
+PINGPONG_BARRIER_SECOND: tl.constexpr = tl.constexpr(10)
+PINGPONG_THREADS: tl.constexpr = tl.constexpr(256)  # two consumer warpgroups of 128 threads
+
+
+@triton.jit
+def ring_slot(count, NUM_BUFFERS: tl.constexpr):
+    """Buffer index and mbarrier phase of the `count`-th use of an N-deep ring.
+
+    An mbarrier flips its phase each time it completes, so the k-th reuse of a slot waits for phase
+    `(count // N) & 1`. A producer waiting on an *empty* barrier uses `phase ^ 1`: a fresh barrier
+    counts as having completed the phase before 0, so the first pass through the ring does not block.
+    """
+    return count % NUM_BUFFERS, (count // NUM_BUFFERS) & 1
+
+
+@triton.jit
+def pingpong_start(cid: tl.constexpr):
+    """Called once by each consumer before its first wgmma: consumer 1 lets consumer 0 go first."""
+    if cid == 1:
+        tlx.named_barrier_arrive(PINGPONG_BARRIER_FIRST, PINGPONG_THREADS)
+
+
+@triton.jit
+def pingpong_enter(cid: tl.constexpr):
+    """Wait for our turn to issue a wgmma (the other consumer has issued its own)."""
+    if cid == 0:
+        tlx.named_barrier_wait(PINGPONG_BARRIER_FIRST, PINGPONG_THREADS)
+    else:
+        tlx.named_barrier_wait(PINGPONG_BARRIER_SECOND, PINGPONG_THREADS)
+
+
+@triton.jit
+def pingpong_exit(cid: tl.constexpr):
+    """Hand the turn to the other consumer right after issuing (not after completion)."""
+    if cid == 0:
+        tlx.named_barrier_arrive(PINGPONG_BARRIER_SECOND, PINGPONG_THREADS)
+    else:
+        tlx.named_barrier_arrive(PINGPONG_BARRIER_FIRST, PINGPONG_THREADS)
+
+
+@triton.jit
+def visible_mask(rows, cols, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[rows, cols] booleans: may query `rows[i]` attend to key `cols[j]` (sequence-local positions).
+
+    Keys past the sequence end are never visible: the TMA tile may hold rows of the next sequence
+    (or zeros past the tensor end), and masking them here is what makes that harmless.
+    """
+    visible = cols[None, :] < kv_len
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None] + (kv_len - q_len))
+    if HAS_WINDOW:
+        visible = visible & (cols[None, :] >= rows[:, None] - window)
+        visible = visible & (cols[None, :] <= rows[:, None] + window)
+    return visible
+
+
+@triton.jit
+def online_softmax_step(qk, m_i, l_i, qk_scale_log2, MAY_HAVE_EMPTY_ROWS: tl.constexpr):
+    """Fold one tile of raw scores into the running (max, sum); return (p, alpha, m_new, l_new).
+
+    `qk` are raw Q·K^T scores with invisible entries already set to -inf; `qk_scale_log2` is
+    `sm_scale * log2(e)`, so `m_i` lives in scaled log2 units. The row reference `m` only moves when
+    the tile's maximum exceeds it by more than RESCALE_THRESHOLD_LOG2; `alpha` is the factor the
+    caller applies to its accumulator (exactly 1 for rows whose reference stayed).
+    With MAY_HAVE_EMPTY_ROWS (masked tiles) a row may have seen no key yet (m = -inf); it is given
+    reference 0 so its probabilities are exp2(-inf) = 0 instead of NaN.
+    """
+    tile_max = tl.max(qk, 1) * qk_scale_log2
+    candidate = tl.maximum(m_i, tile_max)
+    # -inf - -inf is NaN and compares False: a row that still sees nothing keeps m = -inf.
+    moves = (candidate - m_i) > RESCALE_THRESHOLD_LOG2
+    m_new = tl.where(moves, candidate, m_i)
+    if MAY_HAVE_EMPTY_ROWS:
+        reference = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        reference = m_new
+    p = tl.math.exp2(qk * qk_scale_log2 - reference[:, None])
+    alpha = tl.where(moves, tl.math.exp2(m_i - m_new), 1.0)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def finalize_rows(acc, m_i, l_i, out_dtype: tl.constexpr):
+    """Epilogue math: (acc / l in out_dtype, natural-log LSE); a row that saw no key gets 0, -inf.
+
+    The cast happens here, in the accumulator's register layout, so the layout change a masked
+    store needs moves 16-bit values through shared memory instead of fp32 ones (half the scratch).
+    """
+    saw_keys = l_i > 0.0
+    inv_l = tl.where(saw_keys, 1.0 / l_i, 0.0)
+    out = (acc * inv_l[:, None]).to(out_dtype)
+    lse = tl.where(saw_keys, (m_i + tl.math.log2(l_i)) * LN2, float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def store_rows(out_ptr, lse_ptr, out, lse, out_rows, row_valid, head, stride_out_row,
+               stride_lse_head, HEAD_DIM: tl.constexpr):
+    """Masked store of an output tile and its LSE: rows past the sequence end are never written.
+
+    A TMA store would write whole tiles and clobber the next sequence's rows, so the jagged
+    epilogue stores from registers with a row mask (out is `[rows, heads, HEAD_DIM]` row-major).
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    row_base = out_rows.to(tl.int64) * stride_out_row + head * HEAD_DIM
+    tl.store(out_ptr + row_base[:, None] + dims[None, :], out,
+             mask=row_valid[:, None])
+    tl.store(lse_ptr + head.to(tl.int64) * stride_lse_head + out_rows, lse, mask=row_valid)

@@ -1,0 +1,402 @@
+"""Jagged flash-attention forward for Hopper (sm_90), warp-specialized with TLX.
+
+Semantics are those of `docs/CONTRACTS.md` (packed `[T, H, D]` sequences, bottom-right causal,
+symmetric window, GQA, broadcast-Q "PMA"). This module holds the kernel and its host wrapper.
+
+Work unit. A *tile* is (sequence b, query block of BLOCK_M rows, query head h). Its BLOCK_M rows
+are split between two consumer warpgroups of BLOCK_M/2 rows each; both stream the same K/V tiles
+of sequence b's visible key range. The tile list is built on the GPU (`jfa.schedule`), sorted by
+KV work, longest first, and a persistent grid of one program per SM strides through it.
+
+Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
+- producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, one half
+  per consumer) and of K and V into an N-deep ring, each slot guarded by a `full` mbarrier (the TMA
+  bytes landed) and an `empty` one (both consumers are done with it);
+- two consumers (`replicate=2`, 4 warps each, most registers): QK^T by wgmma, online softmax in
+  registers, P·V by wgmma with P taken from registers. The two take turns issuing wgmma
+  (`common.pingpong_*`) and each overlaps its QK^T of tile n with its P·V of tile n-1.
+
+Jagged addressing. q is viewed as a 2-D `[Tq, Hq*D]` tensor and k, v as `[Tk, Hkv*D]`; a TMA box
+is `[rows, D]` at column `head*D`. A box may run past the sequence into the next one (or past the
+tensor end, where TMA fills zeros): those keys are masked to -inf and those query rows are never
+stored, because the epilogue writes from registers with a row mask rather than a TMA store.
+
+KV loop peeling. Key tiles that no mask can touch (inside the sequence, below the causal diagonal,
+inside the window for every row of the block) run without mask arithmetic; only the first tile and
+the edge tiles (window start, causal diagonal, window end, sequence end) pay for it.
+
+Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
+kept while the program's consecutive tiles have the same (query block, head), which the schedule
+arranges. Output rows of sequence b start at `b*q_len`. Q is never copied per sequence.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+import triton.language.extra.tlx as tlx
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from jfa import specs
+from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
+                                pingpong_exit, pingpong_start, ring_slot, store_rows, visible_mask)
+from jfa.schedule import build_tile_schedule
+
+NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, ping-ponging on the tensor cores
+NUM_Q_BUFFERS: tl.constexpr = tl.constexpr(2)  # the next tile's Q lands while this one computes
+WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)  # wgmma's unit: 4 warps
+PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
+
+
+# Per-configuration tuning: BLOCK_M query rows per tile (split over the consumers), BLOCK_N keys per
+# KV tile, the K/V ring depth, and the consumers' register budget (setmaxnreg). Shared memory at
+# D=128 bf16: Q 2x2x16 KB + K,V 2x2x32 KB = 192 KB of the 227 KB an H200 SM allows.
+TUNING = {
+    64: dict(BLOCK_M=128, BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232),
+    128: dict(BLOCK_M=128, BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+}
+
+
+@triton.jit
+def _tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                   q_blocks_per_seq, broadcast_q_len, window, gqa_group, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
+    """Decode tile id -> where its rows are and which key tiles it visits.
+
+    Returns (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+    num_kv_tiles, bulk_lo, bulk_hi). Key tiles are numbered n = 0..num_kv_tiles-1 and start at
+    sequence-local column `first_col + n*BLOCK_N`; tiles bulk_lo <= n < bulk_hi need no mask
+    (tile 0 is peeled and always masked, so bulk_lo >= 1). `q_key` identifies the Q block: equal
+    keys on consecutive tiles let the Q tile be reused (broadcast-Q only).
+    """
+    entry = tl.load(tile_entries_ptr + tile // num_q_heads)
+    head = tile % num_q_heads
+    kv_head = head // gqa_group  # GQA: query heads j*G .. j*G+G-1 read KV head j
+    seq = entry // q_blocks_per_seq
+    q_block = entry % q_blocks_per_seq
+    kv_start = tl.load(kv_offsets_ptr + seq)
+    kv_len = tl.load(kv_offsets_ptr + seq + 1) - kv_start
+    if BROADCAST_Q:
+        q_start = 0
+        q_len = broadcast_q_len
+        out_row0 = seq * broadcast_q_len
+        q_key = q_block * num_q_heads + head
+    else:
+        q_start = tl.load(q_offsets_ptr + seq)
+        q_len = tl.load(q_offsets_ptr + seq + 1) - q_start
+        out_row0 = q_start
+        q_key = tile
+    row_lo = q_block * BLOCK_M
+    row_hi = tl.minimum(row_lo + BLOCK_M, q_len) - 1  # last real query row of the block
+    # [kv_lo, kv_hi): keys some row of the block sees; [full_lo, full_hi): keys every row sees.
+    kv_lo = 0
+    kv_hi = kv_len
+    full_lo = 0
+    full_hi = kv_len
+    if CAUSAL:
+        kv_hi = tl.minimum(kv_hi, row_hi + (kv_len - q_len) + 1)
+        full_hi = tl.minimum(full_hi, row_lo + (kv_len - q_len) + 1)
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(row_lo - window, 0)
+        kv_hi = tl.minimum(kv_hi, row_hi + window + 1)
+        full_lo = tl.maximum(row_hi - window, 0)
+        full_hi = tl.minimum(full_hi, row_lo + window + 1)
+    first_col = (kv_lo // BLOCK_N) * BLOCK_N
+    num_kv_tiles = tl.where(kv_hi > kv_lo, tl.cdiv(kv_hi - first_col, BLOCK_N), 0)
+    bulk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo - first_col, BLOCK_N), 1), num_kv_tiles)
+    bulk_hi = tl.minimum(tl.maximum(tl.maximum(full_hi - first_col, 0) // BLOCK_N, bulk_lo),
+                         num_kv_tiles)
+    q_row0 = q_start + row_lo
+    return (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+            num_kv_tiles, bulk_lo, bulk_hi)
+
+
+@triton.jit
+def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p, acc,
+                      m_i, l_i, kv_count, col0, rows, q_len, kv_len, window, qk_scale_log2,
+                      cid: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NUM_KV_BUFFERS: tl.constexpr):
+    """One KV tile of a consumer: issue QK^T(n), then P·V(n-1) behind it, then softmax(n).
+
+    The P·V of the previous tile runs on the tensor cores while this warpgroup waits for QK^T and
+    computes the softmax, so the exp2 work hides behind a matrix multiply.
+    """
+    k_slot, k_phase = ring_slot(kv_count, NUM_KV_BUFFERS)
+    tlx.barrier_wait(k_fulls[k_slot], k_phase)
+    pingpong_enter(cid)
+    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_slot]))
+    pingpong_exit(cid)
+
+    v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
+    tlx.barrier_wait(v_fulls[v_slot], v_phase)
+    acc = tlx.async_dot(p.to(v_tiles.dtype), v_tiles[v_slot], acc)
+
+    qk = tlx.async_dot_wait(1, qk)
+    tlx.barrier_arrive(k_empties[k_slot], 1)
+    if MASKED:
+        cols = col0 + tl.arange(0, BLOCK_N)
+        qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW), qk,
+                      float("-inf"))
+    p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i, qk_scale_log2, MASKED)
+
+    acc = tlx.async_dot_wait(0, acc)
+    tlx.barrier_arrive(v_empties[v_slot], 1)
+    acc = acc * alpha[:, None]
+    return p, acc, m_i, l_i, kv_count + 1
+
+
+@triton.jit
+def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr,
+                       tile_entries_ptr, num_entries_ptr, stride_out_row, stride_lse_head,
+                       num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
+                       qk_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                       BROADCAST_Q: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
+                       CONSUMER_REGISTERS: tl.constexpr):
+    CONSUMERS: tl.constexpr = NUM_CONSUMERS
+    Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
+    ROWS: tl.constexpr = BLOCK_M // CONSUMERS  # query rows per consumer warpgroup
+    dtype: tl.constexpr = tlx.dtype_of(desc_q)
+    Q_BYTES: tl.constexpr = ROWS * HEAD_DIM * tlx.size_of(dtype)
+    KV_BYTES: tl.constexpr = BLOCK_N * HEAD_DIM * tlx.size_of(dtype)
+
+    num_tiles = tl.load(num_entries_ptr) * num_q_heads
+    first_tile = tl.program_id(0)
+    tile_stride = tl.num_programs(0)
+
+    q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
+    k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS)
+    v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS)
+    q_fulls = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
+    q_empties = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
+    k_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
+    k_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+    v_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
+    v_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+
+    with tlx.async_tasks():
+        with tlx.async_task("default"):  # producer: TMA loads only
+            kv_count = 0
+            q_loads = 0
+            loaded_q_key = -1
+            for tile in range(first_tile, num_tiles, tile_stride):
+                (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
+                 first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
+                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     q_blocks_per_seq, broadcast_q_len, window, gqa_group, BLOCK_M, BLOCK_N,
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q)
+                if num_kv_tiles > 0:
+                    if q_key != loaded_q_key:
+                        q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
+                        for c in tl.static_range(CONSUMERS):
+                            buf = q_slot * CONSUMERS + c
+                            tlx.barrier_wait(q_empties[buf], q_phase ^ 1)
+                            tlx.barrier_expect_bytes(q_fulls[buf], Q_BYTES)
+                            tlx.async_descriptor_load(desc_q, q_tiles[buf],
+                                                      [q_row0 + c * ROWS, head * HEAD_DIM],
+                                                      q_fulls[buf])
+                        q_loads += 1
+                        loaded_q_key = q_key
+                    kv_row = kv_start + first_col
+                    for _ in range(num_kv_tiles):
+                        slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
+                        tlx.barrier_wait(k_empties[slot], phase ^ 1)
+                        tlx.barrier_expect_bytes(k_fulls[slot], KV_BYTES)
+                        tlx.async_descriptor_load(desc_k, k_tiles[slot],
+                                                  [kv_row, kv_head * HEAD_DIM], k_fulls[slot])
+                        tlx.barrier_wait(v_empties[slot], phase ^ 1)
+                        tlx.barrier_expect_bytes(v_fulls[slot], KV_BYTES)
+                        tlx.async_descriptor_load(desc_v, v_tiles[slot],
+                                                  [kv_row, kv_head * HEAD_DIM], v_fulls[slot])
+                        kv_row += BLOCK_N
+                        kv_count += 1
+
+        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS,
+                            replicate=CONSUMERS):
+            cid: tl.constexpr = tlx.async_task_replica_id()
+            pingpong_start(cid)
+            kv_count = 0
+            q_loads = 0
+            loaded_q_key = -1
+            for tile in range(first_tile, num_tiles, tile_stride):
+                (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
+                 first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
+                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     q_blocks_per_seq, broadcast_q_len, window, gqa_group, BLOCK_M, BLOCK_N,
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q)
+                rows = row_lo + cid * ROWS + tl.arange(0, ROWS)
+                out_rows = out_row0 + rows
+                row_valid = rows < q_len
+                if num_kv_tiles > 0:
+                    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+                    l_i = tl.zeros([ROWS], tl.float32)
+                    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+                    if q_key != loaded_q_key:
+                        # Release the previous Q only now: with two Q buffers the producer has
+                        # already been able to prefetch this one.
+                        if q_loads > 0:
+                            prev_slot, _ = ring_slot(q_loads - 1, Q_BUFFERS)
+                            tlx.barrier_arrive(q_empties[prev_slot * CONSUMERS + cid], 1)
+                        q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
+                        tlx.barrier_wait(q_fulls[q_slot * CONSUMERS + cid], q_phase)
+                        q_loads += 1
+                        loaded_q_key = q_key
+                    q_tile = q_tiles[((q_loads - 1) % Q_BUFFERS) * CONSUMERS + cid]
+
+                    # Peeled first KV tile: QK^T only (there is no previous P·V to overlap).
+                    k_slot, k_phase = ring_slot(kv_count, NUM_KV_BUFFERS)
+                    tlx.barrier_wait(k_fulls[k_slot], k_phase)
+                    pingpong_enter(cid)
+                    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_slot]))
+                    pingpong_exit(cid)
+                    qk = tlx.async_dot_wait(0, qk)
+                    tlx.barrier_arrive(k_empties[k_slot], 1)
+                    cols = first_col + tl.arange(0, BLOCK_N)
+                    qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL,
+                                               HAS_WINDOW), qk, float("-inf"))
+                    p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i, qk_scale_log2, True)
+                    kv_count += 1
+
+                    # Leading edge (window start), mask-free bulk, trailing edge (diagonal/end).
+                    for n in range(1, bulk_lo):
+                        p, acc, m_i, l_i, kv_count = _consumer_kv_step(
+                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                            acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
+                            kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
+                            BLOCK_N, NUM_KV_BUFFERS)
+                    for n in range(bulk_lo, bulk_hi):
+                        p, acc, m_i, l_i, kv_count = _consumer_kv_step(
+                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                            acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
+                            kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
+                            BLOCK_N, NUM_KV_BUFFERS)
+                    for n in range(bulk_hi, num_kv_tiles):
+                        p, acc, m_i, l_i, kv_count = _consumer_kv_step(
+                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                            acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
+                            kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
+                            BLOCK_N, NUM_KV_BUFFERS)
+
+                    # Drain: the last tile's P·V.
+                    v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
+                    tlx.barrier_wait(v_fulls[v_slot], v_phase)
+                    acc = tlx.async_dot(p.to(dtype), v_tiles[v_slot], acc)
+                    acc = tlx.async_dot_wait(0, acc)
+                    tlx.barrier_arrive(v_empties[v_slot], 1)
+
+                    # Finalize inside the branch: joining the wgmma accumulator with a zero tile
+                    # would make the compiler convert fp32 accumulators through shared memory.
+                    out, lse = finalize_rows(acc, m_i, l_i, dtype)
+                    store_rows(out_ptr, lse_ptr, out, lse, out_rows, row_valid, head,
+                               stride_out_row, stride_lse_head, HEAD_DIM)
+                else:  # the block sees no key at all: output 0, LSE -inf
+                    store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], dtype),
+                               tl.full([ROWS], float("-inf"), tl.float32), out_rows, row_valid,
+                               head, stride_out_row, stride_lse_head, HEAD_DIM)
+
+
+_SIGNATURE_SCALARS = dict(
+    out_ptr=None, lse_ptr="*fp32", q_offsets_ptr="*i32", kv_offsets_ptr="*i32",
+    tile_entries_ptr="*i32", num_entries_ptr="*i32", stride_out_row="i32", stride_lse_head="i32",
+    num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32",
+    gqa_group="i32", qk_scale_log2="fp32")
+_TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
+                  window: int | None = None, broadcast_q: bool = False) -> dict:
+    """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem)."""
+    if head_dim not in TUNING:
+        raise ValueError(f"head_dim must be one of {sorted(TUNING)}, got {head_dim}")
+    if dtype not in _TRITON_DTYPE_NAMES:
+        raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
+    return dict(HEAD_DIM=head_dim, CAUSAL=bool(causal),
+                HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q), **TUNING[head_dim])
+
+
+def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                 window: int | None = None, broadcast_q: bool = False):
+    """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
+    from jfa.inspect import KernelSpec
+
+    constexprs = kernel_config(head_dim, dtype, causal=causal, window=window,
+                               broadcast_q=broadcast_q)
+    name = _TRITON_DTYPE_NAMES[dtype]
+    rows = constexprs["BLOCK_M"] // NUM_CONSUMERS.value
+    kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
+    signature = dict(desc_q=f"tensordesc<{name}[{rows}, {head_dim}]>", desc_k=kv_box,
+                     desc_v=kv_box, **_SIGNATURE_SCALARS)
+    signature["out_ptr"] = f"*{name}"
+    signature.update({k: "constexpr" for k in constexprs})
+    return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
+                      num_warps=PRODUCER_WARPS, name="jagged_fwd",
+                      role_names=("producer", "consumer0", "consumer1"), target="sm_90")
+
+
+def is_supported(q: torch.Tensor) -> bool:
+    """True when this kernel can run q's problem here: a Hopper GPU, a supported dtype and head_dim."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in specs.SUPPORTED_DTYPES and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _rows_descriptor(t: torch.Tensor, box_rows: int) -> TensorDescriptor:
+    """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`, one box = `box_rows` rows of one head."""
+    rows, heads, dim = t.shape
+    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[heads * dim, 1],
+                            block_shape=[box_rows, dim])
+
+
+def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
+                         causal, window, broadcast_q, *, out=None, lse=None, schedule=None):
+    """Run the forward kernel; returns (out `[Tq_out, Hq, D]` in q's dtype, lse fp32 `[Hq, Tq_out]`).
+
+    Inputs are already validated (`jfa.jagged.validate_jagged_attention`). `out` and `lse` may be
+    given (contiguous rows; lse's head stride is free) so tests can poison them and check that only
+    valid rows are written. `schedule` (a `jfa.schedule.TileSchedule`) skips building the tile list.
+    `max_seq_len_kv` is not needed: the kernel reads every KV range from the offsets.
+    """
+    del max_seq_len_kv
+    num_seqs = kv_offsets.numel() - 1
+    q_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    q_len = q.shape[0] if broadcast_q else 0
+    out_rows = num_seqs * q_len if broadcast_q else q.shape[0]
+    if max_seq_len_q is None:  # costs a device sync; callers on the hot path pass it
+        max_seq_len_q = q_len if broadcast_q else int((q_offsets[1:] - q_offsets[:-1]).max())
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if out is None:
+        out = torch.empty((out_rows, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((q_heads, out_rows), dtype=torch.float32, device=q.device)
+    if out_rows == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no keys anywhere (a zero-row TMA descriptor is invalid)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    config = kernel_config(head_dim, q.dtype, causal=causal, window=window,
+                           broadcast_q=broadcast_q)
+    if schedule is None:
+        schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
+                                       block_m=config["BLOCK_M"], block_n=config["BLOCK_N"],
+                                       causal=causal, window=window, broadcast_q=broadcast_q)
+    max_tiles = schedule.max_entries * q_heads
+    grid = (max(1, min(_num_sms(q.device), max_tiles)),)
+    _jagged_fwd_kernel[grid](
+        _rows_descriptor(q, config["BLOCK_M"] // NUM_CONSUMERS.value),
+        _rows_descriptor(k, config["BLOCK_N"]), _rows_descriptor(v, config["BLOCK_N"]),
+        out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
+        out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,
+        0 if window is None else window, q_heads // kv_heads, sm_scale * LOG2E.value,
+        num_warps=PRODUCER_WARPS, num_stages=1, **config)
+    return out, lse

@@ -1,0 +1,181 @@
+"""CPU checks of the jagged forward: every configuration compiles for sm_90 into a warp-specialized
+wgmma kernel that fits in shared memory, and the tile schedule's arithmetic matches the masks.
+
+The kernel cannot run here (TLX needs a GPU; the interpreter cannot run it), so correctness of the
+numbers is tested in tests/gpu/test_jagged_fwd.py. What can be checked without a GPU is checked:
+the compiled code's structure, and the host schedule against a brute-force mask.
+"""
+import concurrent.futures
+import itertools
+import multiprocessing
+import os
+import re
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from jfa import specs
+from jfa.kernels import jagged_fwd
+from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
+
+CONFIGS = list(itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
+                                 (False, True), (None, 32), (False, True)))
+
+
+def _config_id(cfg):
+    head_dim, dtype, causal, window, broadcast_q = cfg
+    return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
+            f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}")
+
+
+def _compile(cfg) -> dict:
+    """Compile one configuration for sm_90; returns what the checks read (picklable)."""
+    head_dim, dtype, causal, window, broadcast_q = cfg
+    spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
+                                   broadcast_q=broadcast_q)
+    source = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    return dict(ptx=kernel.asm["ptx"], shared=kernel.metadata.shared)
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """All configurations compiled once per session, in parallel on every core (compiling is
+    CPU-bound and single-threaded; Triton's disk cache makes later sessions fast too)."""
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=context) as pool:
+        return dict(zip(CONFIGS, pool.map(_compile, CONFIGS)))
+
+
+def _count(ptx: str, mnemonic: str) -> int:
+    return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(mnemonic)}", ptx, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[_config_id(c) for c in CONFIGS])
+def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
+    ptx, shared = compiled[cfg]["ptx"], compiled[cfg]["shared"]
+    # QK^T and P·V both run on wgmma, in both consumers.
+    assert _count(ptx, "wgmma.mma_async") > 0
+    # The producer gives registers back and the consumers take them: setmaxnreg dec and inc.
+    assert _count(ptx, "setmaxnreg.dec") >= 1 and _count(ptx, "setmaxnreg.inc") >= 1
+    # The rings are mbarrier pipelines: TMA loads arrive with expect_tx, consumers try_wait.
+    assert _count(ptx, "mbarrier.try_wait") > 0
+    assert _count(ptx, "mbarrier.arrive") > 0
+    assert _count(ptx, "cp.async.bulk.tensor") > 0
+    assert shared <= specs.SHARED_BYTES_PER_BLOCK["sm_90"]
+    # The epilogue stores with a row mask, never a whole-tile TMA store.
+    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx
+
+
+def test_ptx_instruction_counts_reported(compiled):
+    """The D=128 bf16 base kernel, with its instruction mix printed for the record (-s)."""
+    base = next(c for c in CONFIGS if _config_id(c) == "d128-bfloat16")
+    ptx = compiled[base]["ptx"]
+    counts = {m: _count(ptx, m) for m in ("wgmma.mma_async", "setmaxnreg", "mbarrier",
+                                           "cp.async.bulk.tensor", "bar.sync", "bar.arrive")}
+    print(counts, "shared bytes", compiled[base]["shared"])
+    assert counts["wgmma.mma_async"] > 0 and counts["setmaxnreg"] > 0 and counts["mbarrier"] > 0
+
+
+def test_bad_config_raises():
+    with pytest.raises(ValueError, match="head_dim"):
+        jagged_fwd.kernel_config(96, torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype"):
+        jagged_fwd.kernel_config(128, torch.float32)
+
+
+# ---- the schedule ----------------------------------------------------------------------------
+
+def _visible(lq, lk, causal, window):
+    i = torch.arange(lq)[:, None]
+    j = torch.arange(lk)[None, :]
+    vis = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        vis &= j <= i + (lk - lq)
+    if window is not None:
+        vis &= (i - j).abs() <= window
+    return vis
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 40), (True, 200)])
+def test_kv_tile_ranges_cover_exactly_the_visible_keys(causal, window):
+    """Each query block's KV tile count spans its visible keys exactly.
+
+    With causal and window together, a block's rows may each see nothing although the block-level
+    range (earliest window start to latest diagonal) is not empty: the kernel then visits tiles
+    that its masks zero out. That is allowed (a few extra tiles), so there the count may exceed.
+    """
+    combined = causal and window is not None
+    gen = torch.Generator().manual_seed(0)
+    block_m, block_n = 128, 128
+    q_lens = torch.randint(0, 700, (24,), generator=gen)
+    kv_lens = torch.randint(0, 700, (24,), generator=gen)
+    q_lens[:3] = torch.tensor([0, 1, 129])
+    kv_lens[:3] = torch.tensor([5, 0, 64])
+    blocks = -(-int(q_lens.max()) // block_m)
+    tiles = kv_tiles_per_entry(q_lens, kv_lens, blocks, block_m=block_m, block_n=block_n,
+                               causal=causal, window=window)
+    for b in range(len(q_lens)):
+        lq, lk = int(q_lens[b]), int(kv_lens[b])
+        vis = _visible(lq, lk, causal, window)
+        for qb in range(blocks):
+            if qb * block_m >= lq:
+                assert tiles[b, qb] == -1
+                continue
+            cols = vis[qb * block_m:(qb + 1) * block_m].any(0).nonzero().flatten()
+            if cols.numel() == 0:
+                assert tiles[b, qb] == 0 or combined
+                continue
+            first_tile, last_tile = int(cols[0]) // block_n, int(cols[-1]) // block_n
+            if combined:
+                assert tiles[b, qb] >= last_tile - first_tile + 1
+            else:
+                assert tiles[b, qb] == last_tile - first_tile + 1
+
+
+def test_schedule_sorted_longest_first_and_counts_real_entries():
+    clear_cache()
+    q_offsets = torch.tensor([0, 100, 100, 612, 613], dtype=torch.int32)
+    schedule = build_tile_schedule(q_offsets, q_offsets, max_seq_len_q=512, block_m=128,
+                                   block_n=128, causal=False, window=None, broadcast_q=False)
+    assert schedule.num_entries.tolist() == [1 + 0 + 4 + 1]
+    real = schedule.entries[:6].tolist()
+    seqs = [e // schedule.q_blocks_per_seq for e in real]
+    assert seqs[:4] == [2, 2, 2, 2]  # the 512-long sequence's 4 blocks (4 KV tiles each) first
+    assert sorted(seqs[4:]) == [0, 3]
+    # Cached on the same tensors; rebuilt when they change in place.
+    assert build_tile_schedule(q_offsets, q_offsets, max_seq_len_q=512, block_m=128, block_n=128,
+                               causal=False, window=None, broadcast_q=False) is schedule
+    q_offsets[4] = 700
+    assert build_tile_schedule(q_offsets, q_offsets, max_seq_len_q=512, block_m=128, block_n=128,
+                               causal=False, window=None, broadcast_q=False) is not schedule
+
+
+def test_schedule_from_host_offsets_matches_device_build():
+    clear_cache()
+    offsets = [0, 37, 300, 300, 1100]
+    dev = torch.tensor(offsets, dtype=torch.int32)
+    a = build_tile_schedule(dev, dev, max_seq_len_q=800, block_m=128, block_n=128, causal=True,
+                            window=None, broadcast_q=False)
+    clear_cache()
+    b = build_tile_schedule(dev, dev, max_seq_len_q=800, block_m=128, block_n=128, causal=True,
+                            window=None, broadcast_q=False, host_q_offsets=offsets,
+                            host_kv_offsets=offsets)
+    assert torch.equal(a.entries, b.entries) and torch.equal(a.num_entries, b.num_entries)
+
+
+def test_broadcast_q_schedule_groups_query_blocks():
+    """PMA: tiles of one query block come together, so a program keeps its Q tile loaded."""
+    clear_cache()
+    q_offsets = torch.tensor([0, 256], dtype=torch.int32)
+    kv_offsets = torch.tensor([0, 10, 900, 1200, 3200], dtype=torch.int32)
+    schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=256, block_m=128,
+                                   block_n=128, causal=False, window=None, broadcast_q=True)
+    blocks = (schedule.entries % schedule.q_blocks_per_seq).tolist()
+    seqs = (schedule.entries // schedule.q_blocks_per_seq).tolist()
+    assert blocks == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert seqs[:4] == [3, 1, 2, 0]
