@@ -72,7 +72,7 @@ DELTA_BLOCK_ROWS = 64  # rows per program of the Delta preprocess
 
 # ---- device code -------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_heads", "stride_delta_head"])
 def _delta_kernel(out_ptr, dout_ptr, delta_ptr, num_rows, num_heads, stride_row, stride_delta_head,
                   HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """Delta[h, row] = sum_d O[row, h, d] * dO[row, h, d] in fp32 (the softmax backward's row term)."""
@@ -210,7 +210,11 @@ def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv
     tl.store(dv_ptr + offs, dv, mask=row_ok[:, None])
 
 
-@triton.jit
+# Integers that change with the problem are not specialized (Triton would otherwise compile a
+# variant for every combination of "divisible by 16" and "== 1" among them).
+@triton.jit(do_not_specialize=["stride_lse_head", "stride_delta_head", "dq_partial_stride",
+                               "num_kv_heads", "kv_blocks_per_seq", "broadcast_q_len", "window",
+                               "gqa_group"])
 def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, lse_ptr, delta_ptr, dq_accum_ptr, dk_ptr,
                        dv_ptr, q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr,
                        stride_lse_head, stride_delta_head, stride_dq_row, dq_partial_stride,
@@ -325,7 +329,8 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, lse_ptr, delta_ptr, dq_a
                                     kv_head, stride_dkv_row, HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_head", "stride_delta_head", "dq_partial_stride",
+                               "broadcast_q_len", "window", "gqa_group"])
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
                kv_offsets_ptr, stride_q_row, stride_kv_row, stride_lse_head, stride_delta_head,
                dq_partial_stride, broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale,

@@ -1,0 +1,189 @@
+"""CPU checks of the jagged backward: every configuration compiles for sm_90 into a warp-specialized
+wgmma kernel that fits in shared memory, and the KV-tile schedule matches the masks.
+
+The kernels cannot run here (TLX needs a GPU), so the numbers are tested in
+tests/gpu/test_jagged_bwd.py. Checked here: the compiled code's structure (wgmma, mbarrier rings,
+setmaxnreg, TMA loads, fp32 atomics only where dQ is not deterministic) and the host schedule
+against a brute-force visibility mask.
+"""
+import concurrent.futures
+import multiprocessing
+import os
+import re
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from jfa import specs
+from jfa.kernels import jagged_bwd
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# (head_dim, dtype, causal, window, broadcast_q, deterministic): every feature, and each head_dim
+# and dtype on the plain kernel, without the full product (each compile takes ~10 s of one core).
+CONFIGS = [
+    (128, BF16, False, None, False, False),
+    (64, BF16, False, None, False, False),
+    (128, FP16, False, None, False, False),
+    (64, FP16, False, None, False, False),
+    (128, BF16, True, None, False, False),
+    (128, BF16, False, 32, False, False),
+    (128, BF16, True, 32, False, False),
+    (128, BF16, False, None, True, False),
+    (128, BF16, False, 32, True, False),
+    (128, BF16, False, None, False, True),
+    (128, BF16, True, 32, False, True),
+    (128, BF16, False, None, True, True),
+    (64, FP16, True, 32, True, True),
+]
+DQ_CONFIGS = [(128, BF16, False, None, False), (64, FP16, True, 32, False), (128, BF16, False, None, True),
+              (128, BF16, True, 32, True)]
+
+
+def _config_id(cfg):
+    head_dim, dtype, causal, window, broadcast_q, *deterministic = cfg
+    return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
+            f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
+            f"{'-deterministic' if deterministic and deterministic[0] else ''}")
+
+
+def _compile_spec(spec) -> dict:
+    source = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    return dict(ptx=kernel.asm["ptx"], shared=kernel.metadata.shared)
+
+
+def _compile(job) -> dict:
+    kind, cfg = job
+    if kind == "tlx":
+        head_dim, dtype, causal, window, broadcast_q, deterministic = cfg
+        spec = jagged_bwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
+                                       broadcast_q=broadcast_q, deterministic=deterministic)
+    else:
+        head_dim, dtype, causal, window, broadcast_q = cfg
+        spec = jagged_bwd.dq_inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
+                                          broadcast_q=broadcast_q)
+    return _compile_spec(spec)
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """All configurations compiled once per session, in parallel on every core."""
+    jobs = [("tlx", c) for c in CONFIGS] + [("dq", c) for c in DQ_CONFIGS]
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=context) as pool:
+        return dict(zip(jobs, pool.map(_compile, jobs)))
+
+
+def _count(ptx: str, mnemonic: str) -> int:
+    return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(mnemonic)}", ptx, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[_config_id(c) for c in CONFIGS])
+def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
+    result = compiled[("tlx", cfg)]
+    ptx, shared = result["ptx"], result["shared"]
+    deterministic = cfg[-1]
+    # S^T, dP^T, dV, dK (and dQ) all run on wgmma.
+    assert _count(ptx, "wgmma.mma_async") > 0
+    # Producer gives registers back, consumers take them.
+    assert _count(ptx, "setmaxnreg.dec") >= 1 and _count(ptx, "setmaxnreg.inc") >= 1
+    assert _count(ptx, "mbarrier.try_wait") > 0 and _count(ptx, "mbarrier.arrive") > 0
+    assert _count(ptx, "cp.async.bulk.tensor") > 0
+    assert shared <= specs.SHARED_BYTES_PER_BLOCK["sm_90"]
+    # dK/dV are stored with row masks, never whole-tile TMA stores that would clobber the next sequence.
+    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx
+    # dQ: fp32 atomics by default; none at all in deterministic mode (float atomics reorder sums).
+    float_atomics = len(re.findall(r"(?:atom|red)\.global\.[\w.]*add\.f32", ptx))
+    assert (float_atomics == 0) if deterministic else (float_atomics > 0)
+
+
+@pytest.mark.parametrize("cfg", DQ_CONFIGS, ids=[_config_id(c) for c in DQ_CONFIGS])
+def test_deterministic_dq_kernel_compiles_without_atomics(compiled, cfg):
+    ptx = compiled[("dq", cfg)]["ptx"]
+    assert _count(ptx, "wgmma.mma_async") > 0  # plain Triton tl.dot becomes wgmma on sm_90
+    assert not re.search(r"(?:atom|red)\.global", ptx)
+
+
+def test_ptx_instruction_counts_reported(compiled):
+    """The D=128 bf16 base kernel's instruction mix, printed for the record (-s)."""
+    ptx = compiled[("tlx", CONFIGS[0])]["ptx"]
+    counts = {m: _count(ptx, m) for m in ("wgmma.mma_async", "setmaxnreg", "mbarrier",
+                                           "cp.async.bulk.tensor", "atom.global", "red.global")}
+    print(counts, "shared bytes", compiled[("tlx", CONFIGS[0])]["shared"])
+    assert counts["wgmma.mma_async"] > 0 and counts["setmaxnreg"] > 0 and counts["mbarrier"] > 0
+
+
+def test_bad_config_raises():
+    with pytest.raises(ValueError, match="head_dim"):
+        jagged_bwd.kernel_config(96, BF16)
+    with pytest.raises(TypeError, match="dtype"):
+        jagged_bwd.kernel_config(128, torch.float32)
+
+
+# ---- the schedule ----------------------------------------------------------------------------
+
+def _visible(lq, lk, causal, window):
+    i = torch.arange(lq)[:, None]
+    j = torch.arange(lk)[None, :]
+    vis = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        vis &= j <= i + (lk - lq)
+    if window is not None:
+        vis &= (i - j).abs() <= window
+    return vis
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 40), (True, 200)])
+def test_query_block_ranges_cover_exactly_the_visible_queries(causal, window):
+    """Each KV block's query-block range spans the queries that see it (with causal and window
+    together the block-level range may include a few blocks whose rows all see nothing)."""
+    combined = causal and window is not None
+    gen = torch.Generator().manual_seed(0)
+    block_m, block_n = 64, 128
+    q_lens = torch.randint(0, 700, (24,), generator=gen)
+    kv_lens = torch.randint(0, 700, (24,), generator=gen)
+    q_lens[:4] = torch.tensor([0, 1, 129, 300])
+    kv_lens[:4] = torch.tensor([5, 0, 64, 40])
+    kv_blocks = -(-int(kv_lens.max()) // block_n)
+    blocks = jagged_bwd.q_blocks_per_kv_tile(q_lens, kv_lens, kv_blocks, block_m=block_m, block_n=block_n,
+                                             causal=causal, window=window)
+    for b in range(len(q_lens)):
+        lq, lk = int(q_lens[b]), int(kv_lens[b])
+        vis = _visible(lq, lk, causal, window)
+        for kb in range(kv_blocks):
+            if kb * block_n >= lk:
+                assert blocks[b, kb] == -1
+                continue
+            rows = vis[:, kb * block_n:(kb + 1) * block_n].any(1).nonzero().flatten()
+            if rows.numel() == 0:
+                assert blocks[b, kb] == 0 or combined
+                continue
+            needed = int(rows[-1]) // block_m - int(rows[0]) // block_m + 1
+            assert blocks[b, kb] == needed or (combined and blocks[b, kb] >= needed)
+
+
+def test_schedule_keeps_idle_tiles_and_sorts_longest_first():
+    """Tiles no query sees stay in the list (their dK/dV rows must be zeroed); longest run first."""
+    q_offsets = torch.tensor([0, 0, 300, 301], dtype=torch.int32)  # sequence 0 has no queries
+    kv_offsets = torch.tensor([0, 200, 500, 501], dtype=torch.int32)
+    schedule = jagged_bwd.build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=300, broadcast_q_len=0,
+                                                 block_m=64, block_n=128, causal=False, window=None)
+    assert schedule.kv_blocks_per_seq == 3
+    assert schedule.num_entries.tolist() == [2 + 3 + 1]
+    real = schedule.entries[:6].tolist()
+    seqs = [e // schedule.kv_blocks_per_seq for e in real]
+    assert seqs[:3] == [1, 1, 1]  # 5 query blocks each
+    assert seqs[3] == 2 and sorted(seqs[4:]) == [0, 0]
+
+
+def test_broadcast_q_schedule_uses_the_shared_query_length():
+    kv_offsets = torch.tensor([0, 10, 900], dtype=torch.int32)
+    schedule = jagged_bwd.build_kv_tile_schedule(torch.tensor([0, 256], dtype=torch.int32), kv_offsets,
+                                                 max_seq_len_kv=890, broadcast_q_len=256, block_m=64,
+                                                 block_n=128, causal=False, window=None)
+    assert schedule.num_entries.tolist() == [1 + 7]
+    assert schedule.max_entries == 2 * 7
