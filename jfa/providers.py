@@ -238,16 +238,20 @@ def _flex_mask_mod(problem: Problem, q_rows: int, q_offsets: torch.Tensor):
         return lambda b, h, q_idx, kv_idx: q_blk[q_idx] == q_blk[kv_idx]
     if problem.kind != "block_sparse":
         return lambda b, h, q_idx, kv_idx: q_doc[q_idx] == kv_doc[kv_idx]
-    block = specs.BLOCK_SPARSE_BLOCK
     picked = problem.kv_block_dense  # [B, H, n_q_blocks, n_kv_blocks] bool
-    q_pos = torch.arange(q_rows, device=q_doc.device, dtype=torch.int32) - q_offsets[:-1][q_doc.long()]
-    kv_pos = (torch.arange(problem.k.shape[0], device=q_doc.device, dtype=torch.int32)
-              - problem.kv_offsets[:-1][kv_doc.long()])
+    # Sequence-local block number of every row, computed here so the mask_mod only gathers.
+    q_block = _local_block(q_offsets, q_doc)
+    kv_block = _local_block(problem.kv_offsets, kv_doc)
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = q_doc[q_idx] == kv_doc[kv_idx]
-        return same & picked[q_doc[q_idx], h, q_pos[q_idx] // block, kv_pos[kv_idx] // block]
+        return same & picked[q_doc[q_idx], h, q_block[q_idx], kv_block[kv_idx]]
     return mask_mod
+
+
+def _local_block(offsets: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(doc.shape[0], device=doc.device, dtype=torch.int64)
+    return ((rows - offsets[:-1].long()[doc.long()]) // specs.BLOCK_SPARSE_BLOCK).to(torch.int32)
 
 
 def build_flex(problem: Problem) -> ProviderRun:
