@@ -1,0 +1,138 @@
+"""The jagged forward kernel on a Hopper GPU against the fp32 reference `jfa.reference`.
+
+Every case draws fresh random inputs and hands the kernel NaN-poisoned `out` and `lse` views into
+larger buffers: a valid row the kernel forgot stays NaN and fails, and the guard rows around the
+views must still be NaN afterwards (nothing written past the packed tensor). Lengths 63/65/127/129
+put the next sequence's rows inside a TMA tile, so a missing key mask or an unmasked store shows up
+as a wrong value next door; length 0 (empty sequences) and fully masked rows check the 0 / -inf rule.
+"""
+import zlib
+
+import pytest
+import torch
+
+from jfa import reference, specs
+from jfa.kernels import jagged_fwd
+
+pytestmark = pytest.mark.gpu
+
+GUARD_ROWS = 7  # poisoned rows before and after the output view
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 0, 2, 131, 257, 509]
+
+
+def offsets(lengths) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                        device="cuda")
+
+
+def random_lengths(batch, low, high, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (batch,), generator=gen).tolist()
+
+
+def run_case(q_lens, kv_lens, *, heads_q=4, heads_kv=4, head_dim=128, dtype=torch.bfloat16,
+             causal=False, window=None, broadcast_q=False, sm_scale=None, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q_rows = q_lens[0] if broadcast_q else sum(q_lens)
+    kv_rows = sum(kv_lens)
+    q = torch.randn(q_rows, heads_q, head_dim, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(kv_rows, heads_kv, head_dim, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(kv_rows, heads_kv, head_dim, device="cuda", generator=gen).to(dtype)
+    q_off = offsets([q_lens[0]] if broadcast_q else q_lens)
+    kv_off = offsets(kv_lens)
+    out_rows = q_rows * len(kv_lens) if broadcast_q else q_rows
+
+    out_buf = torch.full((out_rows + 2 * GUARD_ROWS, heads_q, head_dim), float("nan"),
+                         device="cuda", dtype=dtype)
+    lse_buf = torch.full((heads_q, out_rows + 2 * GUARD_ROWS), float("nan"), device="cuda")
+    out_view = out_buf[GUARD_ROWS:GUARD_ROWS + out_rows]
+    lse_view = lse_buf[:, GUARD_ROWS:GUARD_ROWS + out_rows]
+    out, lse = jagged_fwd.jagged_attention_fwd(
+        q, k, v, q_off, kv_off, max(q_lens) if q_lens else 0, max(kv_lens) if kv_lens else 0,
+        sm_scale, causal, window, broadcast_q, out=out_view, lse=lse_view)
+    torch.cuda.synchronize()
+    assert out.data_ptr() == out_view.data_ptr() and lse.data_ptr() == lse_view.data_ptr()
+
+    ref_out, ref_lse = reference.jagged_attention_ref(q, k, v, q_off, kv_off, sm_scale=sm_scale,
+                                                      causal=causal, window=window,
+                                                      broadcast_q=broadcast_q)
+    assert torch.isnan(out_buf[:GUARD_ROWS]).all() and torch.isnan(out_buf[-GUARD_ROWS:]).all()
+    assert torch.isnan(lse_buf[:, :GUARD_ROWS]).all() and torch.isnan(lse_buf[:, -GUARD_ROWS:]).all()
+    assert not torch.isnan(out).any(), "rows left unwritten (still NaN)"
+    got = out.float()
+    denom = ref_out.norm().clamp_min(1e-6)
+    relerr = ((got - ref_out).norm() / denom).item()
+    assert relerr <= specs.FWD_RELERR, f"relative error {relerr:.2e}"
+    torch.testing.assert_close(got, ref_out, **specs.FWD_TOL)
+    torch.testing.assert_close(lse, ref_lse, **specs.FWD_TOL)
+
+
+def test_is_supported():
+    assert jagged_fwd.is_supported(torch.empty(1, 1, 128, device="cuda", dtype=torch.bfloat16))
+    assert not jagged_fwd.is_supported(torch.empty(1, 1, 128, device="cuda", dtype=torch.float32))
+    assert not jagged_fwd.is_supported(torch.empty(1, 1, 96, device="cuda", dtype=torch.bfloat16))
+    assert not jagged_fwd.is_supported(torch.empty(1, 1, 128, dtype=torch.bfloat16))
+
+
+SELF_CASES = {
+    "edge_lengths": dict(lengths=EDGE_LENGTHS),
+    "long_up_to_8192": dict(lengths=[8192, 1000, 4099, 17, 2053], heads_q=2, heads_kv=2),
+    "random_2048": dict(lengths=random_lengths(40, 1, 2048, seed=1)),
+    "d64": dict(lengths=EDGE_LENGTHS, head_dim=64),
+    "d64_random": dict(lengths=random_lengths(30, 1, 1500, seed=2), head_dim=64),
+    "fp16": dict(lengths=EDGE_LENGTHS, dtype=torch.float16),
+    "fp16_d64": dict(lengths=random_lengths(20, 0, 700, seed=3), dtype=torch.float16, head_dim=64),
+    "gqa2": dict(lengths=EDGE_LENGTHS, heads_q=8, heads_kv=4),
+    "gqa4": dict(lengths=random_lengths(16, 1, 1000, seed=4), heads_q=8, heads_kv=2),
+    "gqa8_d64": dict(lengths=EDGE_LENGTHS, heads_q=8, heads_kv=1, head_dim=64),
+    "sm_scale": dict(lengths=[300, 77], sm_scale=0.3),
+    "causal": dict(lengths=EDGE_LENGTHS, causal=True),
+    "causal_long": dict(lengths=[4097, 1500, 33], causal=True, heads_q=2, heads_kv=2),
+    "causal_d64_fp16": dict(lengths=EDGE_LENGTHS, causal=True, head_dim=64, dtype=torch.float16),
+    "window32": dict(lengths=EDGE_LENGTHS, window=32),
+    "window200": dict(lengths=random_lengths(12, 1, 2500, seed=5), window=200),
+    "window0": dict(lengths=[129, 300], window=0),
+    "causal_window": dict(lengths=EDGE_LENGTHS + [1031], causal=True, window=100),
+}
+
+
+@pytest.mark.parametrize("name", list(SELF_CASES))
+def test_self_attention(name):
+    case = dict(SELF_CASES[name])
+    lengths = case.pop("lengths")
+    run_case(lengths, lengths, seed=zlib.crc32(name.encode()), **case)
+
+
+CROSS_CASES = {
+    "cross": dict(),
+    "cross_causal": dict(causal=True),  # kv shorter than q: early rows see nothing (0, -inf)
+    "cross_window": dict(window=50),
+    "cross_gqa4_d64": dict(heads_q=8, heads_kv=2, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("name", list(CROSS_CASES))
+def test_cross_attention(name):
+    q_lens = [0, 1, 63, 200, 129, 64, 300, 5, 1000]
+    kv_lens = [5, 0, 129, 64, 63, 1, 256, 2048, 999]
+    run_case(q_lens, kv_lens, seed=zlib.crc32(name.encode()), **CROSS_CASES[name])
+
+
+PMA_KV_LENGTHS = [0, 1, 37, 64, 65, 128, 200, 2048, 1023] + random_lengths(23, 1, 2048, seed=6)
+
+
+@pytest.mark.parametrize("q_len", [1, 16, 64, 128, 256])
+def test_broadcast_q(q_len):
+    run_case([q_len], PMA_KV_LENGTHS, broadcast_q=True, seed=q_len)
+
+
+@pytest.mark.parametrize("case", [dict(window=40), dict(causal=True),
+                                  dict(head_dim=64, dtype=torch.float16, heads_q=8, heads_kv=2)],
+                         ids=["window", "causal", "d64_fp16_gqa4"])
+def test_broadcast_q_variants(case):
+    run_case([200], PMA_KV_LENGTHS, broadcast_q=True, seed=7, **case)
+
+
+def test_no_keys_anywhere():
+    """Every KV sequence empty: no launch can read K, the wrapper writes 0 and -inf."""
+    run_case([5, 70], [0, 0])
