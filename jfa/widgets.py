@@ -6,9 +6,11 @@ deterministic), and a wrapper shows ipywidgets controls whose changes re-render 
 result in place. The wrapper always renders once with the default values, so a headless run still
 stores a static table or figure in the notebook.
 
-Sections: notebook setup; recorded results (what the notebooks show when no GPU is present); the
-K/V ring simulator (notebook 02); the shared-memory / register / tensor-memory budget calculator
-(notebook 02); the panel wrapper.
+Sections: notebook setup; the environment; recorded results (what the notebooks show when no GPU is
+present: real runs in results/ first, labeled fixtures in results/recorded/ next, else a plain "no
+recorded H200 run yet"); the K/V ring simulator and the shared-memory / register / tensor-memory
+budget calculator (notebook 02); the panel wrapper; tutorial 2's sweep (02); benchmark rows and the
+write-up summary (08); the tile-dealing picture and the GEM-like sweep (03).
 """
 from __future__ import annotations
 
@@ -374,7 +376,9 @@ def attention_budget(cfg: AttentionConfig) -> list[BudgetLine]:
     compile-only inspection (`jfa.inspect`) gives the exact numbers for a real kernel.
     """
     cfg.validate()
-    tile = lambda rows, cols: rows * cols * cfg.element_bytes  # noqa: E731 - one-line helper, read below
+    def tile(rows: int, cols: int) -> int:
+        return rows * cols * cfg.element_bytes
+
     q_bytes = cfg.consumer_groups * tile(cfg.rows_per_group, cfg.head_dim)
     rings = 1 if cfg.shared_kv_ring else 2
     kv_bytes = rings * cfg.kv_stages * tile(cfg.block_n, cfg.head_dim)
