@@ -16,11 +16,14 @@ from pathlib import Path
 from jfa import plots, specs
 
 ENV_KEYS = ("gpu", "sm", "driver", "cuda", "torch", "triton", "tlx", "fa4", "python", "commit", "date", "host")
+# auto-fill, not auto-fit: a figure is drawn as soon as it is parsed, and with auto-fit the first one
+# would be drawn across the whole page width before its neighbours exist.
 PAGE_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; }
-table { border-collapse: collapse; font-size: 0.9em; margin-bottom: 1em; }
+table { border-collapse: collapse; font-size: 0.9em; margin-bottom: 1em; display: block; overflow-x: auto; }
 td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
-.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(560px, 1fr)); gap: 1em; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 1em; }
+.grid > div { min-width: 0; }
 """
 
 
@@ -65,7 +68,7 @@ class _FigureWriter:
     def __call__(self, fig) -> str:
         include = "cdn" if self.count == 0 else False
         self.count += 1
-        return fig.to_html(full_html=False, include_plotlyjs=include, config={"displaylogo": False})
+        return fig.to_html(full_html=False, include_plotlyjs=include, config={"displaylogo": False, "responsive": True})
 
 
 def _suite_order(rows: list[dict]) -> list[str]:
