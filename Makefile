@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 # python3 already has a CUDA torch >= 2.11 keeps it (the venv then sees the system site packages).
 TORCH_SPEC ?= torch==2.13.0
 LAB_ARGS ?=
+# JupyterLab refuses to run as root unless told to (containers, CI machines).
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
 RESULTS ?= results
 
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lab: $(VENV)/.installed
-	$(PY) -m jupyter lab $(LAB_ARGS) notebooks/00_start_here.ipynb
+	$(PY) -m jupyter lab $(ROOT_ARGS) $(LAB_ARGS) notebooks/00_start_here.ipynb
 
 test: $(VENV)/.installed
 	$(PY) -m pytest --nbval tests notebooks $(PYTEST_ARGS)
