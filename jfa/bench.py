@@ -45,6 +45,7 @@ PROGRESS_BAR_WIDTH = 20
 STDERR_TAIL_CHARS = 2000
 LSE_BYTES = 4  # float32 log-sum-exp per (head, output row)
 OUTPUT_ELEMENT_BYTES = 2  # every provider writes bf16 outputs (FP8 kernels included)
+NEVER_PICKED = 2.0  # block-sparse score of blocks past a sequence: above every torch.rand value
 
 Timer = Callable[[Callable[[], object], list], float]
 
@@ -124,7 +125,7 @@ def block_sparse_selection(lengths: list[int], heads: int, density: float, seed:
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(len(lengths), heads, widest, widest, generator=gen)
     beyond = torch.arange(widest)[None, :] >= n_blocks[:, None]  # [B, nkb]: blocks past the sequence
-    scores = scores.masked_fill(beyond[:, None, None, :], 2.0)  # sorted last, never kept
+    scores = scores.masked_fill(beyond[:, None, None, :], NEVER_PICKED)
     order = scores.argsort(dim=-1)
     rank = order.argsort(dim=-1)
     dense = (rank < keep[:, None, None, None]) & ~beyond[:, None, None, :]
@@ -336,8 +337,10 @@ def _backward_step(run: ProviderRun, grad_out: torch.Tensor) -> Callable[[], Non
 
 # ---- rows ---------------------------------------------------------------------------------------------
 def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, (ProviderUnavailable, OutputMismatch)):
-        return str(exc) if isinstance(exc, ProviderUnavailable) else f"wrong output: {exc}"
+    if isinstance(exc, ProviderUnavailable):
+        return str(exc)
+    if isinstance(exc, OutputMismatch):
+        return f"wrong output: {exc}"
     return f"{type(exc).__name__}: {exc}"
 
 
