@@ -19,11 +19,11 @@ import warnings
 import torch
 
 from jfa import reference, specs
+from jfa.jagged import OFFSET_DTYPES, check_jagged_tensors
 from jfa.kernels import block_attn
 
 __all__ = ["block_attention", "fused_projection_rotary_block_attention"]
 
-OFFSET_DTYPES = (torch.int32, torch.int64)
 _told_fallback = False
 
 
@@ -37,40 +37,33 @@ def _check_tensor(name: str, t, dims: int):
 
 
 def _check_offsets(offsets, rows: int, device: torch.device):
-    """Offsets: int32/int64 [B+1] on the data's device. Their values are not read (no host sync)."""
+    """Offsets: int [B+1] prefix sums. Values are checked only on the CPU (CUDA ones would need a sync)."""
     _check_tensor("offsets", offsets, 1)
     if offsets.dtype not in OFFSET_DTYPES:
-        raise TypeError(f"offsets must be int32 or int64 prefix sums, got {offsets.dtype}")
+        raise TypeError(f"offsets: dtype {offsets.dtype} is not an offset type; use .to(torch.int32)")
     if offsets.numel() < 1:
-        raise ValueError("offsets must hold B+1 >= 1 prefix sums starting at 0, got an empty tensor")
-    if offsets.device != device:
-        raise ValueError(f"offsets must be on the data's device {device}, got {offsets.device}")
+        raise ValueError("offsets: must hold B+1 >= 1 prefix sums starting at 0, got an empty tensor")
+    if offsets.device != device and offsets.device.type != "cpu":
+        raise ValueError(f"offsets: is on {offsets.device} but the data is on {device}; move it there")
     if rows > specs.INT32_MAX:
-        raise ValueError(f"at most {specs.INT32_MAX} rows are supported, got {rows}")
+        raise ValueError(f"rows: at most {specs.INT32_MAX} rows are supported, got {rows}")
+    if offsets.device.type == "cpu":
+        values = offsets.tolist()
+        if values[0] != 0 or values[-1] != rows or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"offsets: must be non-decreasing prefix sums from 0 to the row count {rows}, "
+                             f"got {values[:4]}...{values[-2:]}")
 
 
 def _check_attention_inputs(q, k, v, offsets):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 3)
-    if not q.is_floating_point():
-        raise TypeError(f"q must be a floating-point tensor (bf16 or fp16 for the kernels), got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    rows, heads_q, head_dim = q.shape
-    if k.shape[0] != rows:
-        raise ValueError(f"block attention is self-attention: k must have q's {rows} rows, got {k.shape[0]}")
-    if k.shape[2] != head_dim:
-        raise ValueError(f"k's head_dim must equal q's ({head_dim}), got {k.shape[2]}")
-    if head_dim not in specs.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {specs.SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    if k.shape[1] == 0 or heads_q % k.shape[1]:
-        raise ValueError(f"q's heads ({heads_q}) must be a multiple of k's heads ({k.shape[1]}) (GQA)")
-    _check_offsets(offsets, rows, q.device)
+    """Shapes, dtypes, devices (jfa.jagged's checks, worded for the single ``offsets`` argument)."""
+    try:
+        check_jagged_tensors(q, k, v, offsets, offsets, for_kernel=q.is_cuda if isinstance(q, torch.Tensor) else False)
+    except (TypeError, ValueError) as error:
+        raise type(error)(str(error).replace("kv_offsets", "offsets").replace("q_offsets", "offsets")) from None
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: has {k.shape[0]} rows but q has {q.shape[0]}; block attention is self-attention "
+                         "over one set of offsets")
+    _check_offsets(offsets, q.shape[0], q.device)
 
 
 def _check_fused_inputs(x, w, sinu_pos, offsets, q_heads, kv_heads, bias):
@@ -131,16 +124,16 @@ def _rotated_heads(qkv, sinu_pos, q_heads, kv_heads):
 
 
 def _reference_grads(fn, inputs, grad_out):
-    """Gradients of the fp32 reference `fn(*inputs)` w.r.t. inputs, cast back to their dtypes.
+    """Gradients of the reference `fn(*inputs)` (fp32, fp64 for fp64 inputs), cast to the inputs' dtypes.
 
     A custom op's body runs with the autograd dispatch key excluded (the op is a leaf to autograd),
     so the reference's graph is recorded only after re-enabling that key for this block.
     """
     autograd_key = torch._C.DispatchKey.AutogradFunctionality
     with torch.enable_grad(), torch._C._SetExcludeDispatchKeyGuard(autograd_key, False):
-        leaves = [t.detach().float().requires_grad_() for t in inputs]
+        leaves = [t.detach().to(torch.promote_types(t.dtype, torch.float32)).requires_grad_() for t in inputs]
         out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, grad_out.float())
+        grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 

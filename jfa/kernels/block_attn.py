@@ -329,14 +329,18 @@ def _num_programs(device: torch.device, max_units: int) -> int:
     return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, max_units))
 
 
-def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Block attention forward on the GPU: out [T, Hq, D] in q's dtype (inputs already validated)."""
+def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Block attention forward on the GPU: out [T, Hq, D] in q's dtype (inputs already validated).
+
+    ``out`` (contiguous, q's shape and dtype) lets tests pass a poisoned buffer.
+    """
     rows, heads_q, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if rows == 0 or heads_q == 0:
         return out
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    block_start, block_rows, num_blocks = build_block_table(offsets, rows)
+    block_start, block_rows, num_blocks = build_block_table(offsets.to(q.device), rows)
     grid = (_num_programs(q.device, block_start.numel() * heads_q),)
     _block_attn_fwd_kernel[grid](
         _row_descriptor(q), _row_descriptor(k), _row_descriptor(v),
@@ -355,7 +359,7 @@ def _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, dq_row_stride, dkv_row_strid
     rows, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    block_start, block_rows, num_blocks = build_block_table(offsets, rows)
+    block_start, block_rows, num_blocks = build_block_table(offsets.to(q.device), rows)
     rotary = sinu_pos is not None
     sinu = sinu_pos.contiguous() if rotary else dq  # never read without ROTARY_EPILOGUE
     grid = (_num_programs(q.device, block_start.numel() * heads_kv),)
@@ -372,11 +376,15 @@ def _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, dq_row_stride, dkv_row_strid
 
 
 def block_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                        dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block attention backward on the GPU: (dq, dk, dv) in the inputs' dtype; P is recomputed."""
+                        dout: torch.Tensor, grads: tuple | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block attention backward on the GPU: (dq, dk, dv) in the inputs' dtype; P is recomputed.
+
+    ``grads`` optionally gives the (dq, dk, dv) buffers to fill (contiguous; tests poison them).
+    """
     rows, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
     if rows == 0 or heads_q == 0:
         return dq, dk, dv
     _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, heads_q * head_dim, heads_kv * head_dim, None)
@@ -384,7 +392,8 @@ def block_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
 
 
 def block_attention_rotary_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                               dout: torch.Tensor, sinu_pos: torch.Tensor) -> torch.Tensor:
+                               dout: torch.Tensor, sinu_pos: torch.Tensor,
+                               dz: torch.Tensor | None = None) -> torch.Tensor:
     """Backward of rotary + block attention: dz [M, (Hq + 2*Hkv) * D], the gradient of the projection.
 
     q, k, v are the *rotated* tensors the forward attended with. The kernel's epilogue applies the
@@ -394,7 +403,7 @@ def block_attention_rotary_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     rows, heads_q, head_dim = q.shape
     heads_kv = k.shape[1]
     width = (heads_q + 2 * heads_kv) * head_dim
-    dz = torch.empty(rows, width, dtype=q.dtype, device=q.device)
+    dz = torch.empty(rows, width, dtype=q.dtype, device=q.device) if dz is None else dz
     if rows == 0 or heads_q == 0:
         return dz
     dk_view = dz[:, heads_q * head_dim:]
