@@ -556,7 +556,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         max_seq_len_kv = int((kv_offsets[1:] - kv_offsets[:-1]).max())
     if max_seq_len_q is None:
         max_seq_len_q = broadcast_q_len if broadcast_q else int((q_offsets[1:] - q_offsets[:-1]).max())
-    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
     delta = compute_delta(out, dout)
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                            deterministic=deterministic)

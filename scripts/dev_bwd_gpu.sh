@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# Jagged attention backward on a Hopper GPU, in one go (at most 5.5 minutes, each step under `timeout`):
+#   1. compile every kernel configuration the tests use, in parallel processes (Triton's disk cache
+#      then serves the tests, which would otherwise compile ~15 configurations one after another);
+#   2. the gpu tests (tests/gpu/test_jagged_bwd.py);
+#   3. compute-sanitizer memcheck and racecheck on one tiny case;
+#   4. timings (do_bench median): backward alone, fwd+bwd minus fwd, deterministic backward, on the
+#      GEM shapes, PMA and dense, as TFLOP/s with specs.attention_flops(pass_="bwd").
+# Run from the repository root (on the GPU host: `source .gpu-bundle/activate.sh` first).
+# Logs and the timing JSON go to $OUT (default ./out/bwd).
+set -uo pipefail
+OUT=${OUT:-out/bwd}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+status=0
+
+echo "== parallel compile warm-up"
+timeout "${WARMUP_TIMEOUT_S:-80}" $PY - <<'PY' 2>&1 | tee "$OUT/warmup.log" | tail -25
+import concurrent.futures, multiprocessing, time, traceback
+
+CONFIGS = [  # (head_dim, dtype, causal, window, broadcast_q, deterministic), as the tests use them
+    (128, "bfloat16", False, None, False, False), (64, "bfloat16", False, None, False, False),
+    (128, "float16", False, None, False, False), (64, "float16", False, None, False, False),
+    (128, "bfloat16", True, None, False, False), (128, "bfloat16", False, 32, False, False),
+    (128, "bfloat16", True, 32, False, False), (64, "bfloat16", True, None, False, False),
+    (128, "bfloat16", False, None, True, False), (128, "bfloat16", True, 32, True, False),
+    (64, "bfloat16", False, None, True, False),
+    (128, "bfloat16", False, None, False, True), (128, "bfloat16", True, 32, False, True),
+    (128, "bfloat16", False, None, True, True),
+]
+
+def warm(cfg):
+    import torch
+    from jfa.kernels import jagged_bwd
+    head_dim, dtype, causal, window, broadcast_q, deterministic = cfg
+    dtype = getattr(torch, dtype)
+    start = time.time()
+    try:
+        lens = [3, 70]
+        q = torch.randn(3 if broadcast_q else sum(lens), 2, head_dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(sum(lens), 2, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        out_rows = 3 * len(lens) if broadcast_q else q.shape[0]
+        out = torch.randn(out_rows, 2, head_dim, device="cuda", dtype=dtype)
+        lse = torch.zeros(2, out_rows, device="cuda")
+        q_off = torch.tensor([0, 3] if broadcast_q else [0, 3, 73], dtype=torch.int32, device="cuda")
+        kv_off = torch.tensor([0, 3, 73], dtype=torch.int32, device="cuda")
+        jagged_bwd.jagged_attention_bwd(out, q, k, v, out, lse, q_off, kv_off, 70, 70, None, causal, window,
+                                        broadcast_q, deterministic=deterministic)
+        torch.cuda.synchronize()
+        return f"ok   {time.time() - start:5.1f}s {cfg}"
+    except Exception:
+        return f"FAIL {cfg}\n{traceback.format_exc()[-3000:]}"
+
+with concurrent.futures.ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("spawn")) as pool:
+    for line in pool.map(warm, CONFIGS):
+        print(line, flush=True)
+PY
+
+echo "== gpu tests"
+timeout "${TEST_TIMEOUT_S:-100}" $PY -m pytest -q -rs --maxfail=30 -p no:cacheprovider tests/gpu/test_jagged_bwd.py 2>&1 \
+  | tee "$OUT/tests.log" | grep -v "DeprecationWarning\|from .types import\|^  /tmp" | tail -60
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+cat > "$OUT/tiny_case.py" <<'PY'
+import torch
+from jfa.kernels import jagged_bwd
+lens = [1, 65, 0, 130]
+offsets = torch.tensor([0, 1, 66, 66, 196], dtype=torch.int32, device="cuda")
+q = torch.randn(196, 4, 64, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(196, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+out, dout = torch.randn_like(q), torch.randn_like(q)
+lse = torch.randn(4, 196, device="cuda")
+grads = jagged_bwd.jagged_attention_bwd(dout, q, k, v, out, lse, offsets, offsets, 130, 130, None, True, None, False)
+torch.cuda.synchronize()
+print("tiny case ran:", [tuple(g.shape) for g in grads])
+PY
+for tool in memcheck racecheck; do
+  echo "== compute-sanitizer $tool (tiny case: lengths 1,65,0,130, GQA 2, D=64, causal)"
+  if [ -n "$SANITIZER" ]; then
+    timeout "${SANITIZER_TIMEOUT_S:-30}" "$SANITIZER" --tool $tool --error-exitcode 3 $PY "$OUT/tiny_case.py" 2>&1 \
+      | tee "$OUT/$tool.log" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  else
+    echo "compute-sanitizer not found: $tool NOT run"; status=1
+  fi
+done
+
+echo "== timing (do_bench median)"
+timeout "${TIMING_TIMEOUT_S:-80}" $PY - "$OUT/timing.json" <<'PY' 2>&1 | tee "$OUT/timing.log"
+import json, sys, time
+import torch
+import triton.testing
+from jfa import specs
+from jfa.jagged import gem_lengths
+from jfa.kernels import jagged_bwd, jagged_fwd
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=specs.BENCH_WARMUP_MS, rep=specs.BENCH_REP_MS, return_mode="median")
+
+def offsets_of(lengths):
+    return torch.tensor([0] + torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32,
+                        device="cuda")
+
+def case(name, q_lens, kv_lens, heads, head_dim, broadcast_q=False):
+    q_off, kv_off = offsets_of([q_lens[0]] if broadcast_q else q_lens), offsets_of(kv_lens)
+    q_rows = q_lens[0] if broadcast_q else sum(q_lens)
+    out_rows = sum(q_lens)
+    q = torch.randn(q_rows, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(kv_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn(out_rows, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    max_q, max_kv = max(q_lens), max(kv_lens)
+    args = (q_off, kv_off, max_q, max_kv, None, False, None, broadcast_q)
+    fwd = lambda: jagged_fwd.jagged_attention_fwd(q, k, v, *args)
+    bwd = lambda det=False: jagged_bwd.jagged_attention_bwd(dout, q, k, v, out, lse, *args, deterministic=det)
+    row = dict(case=name, rows=out_rows, heads=heads, head_dim=head_dim)
+    flops = specs.attention_flops(q_lens, kv_lens, heads, head_dim, pass_="bwd")
+    try:
+        out, lse = fwd()
+        row["fwd_ms"] = bench(fwd)
+        row["fwd_bwd_minus_fwd_ms"] = bench(lambda: (fwd(), bwd())) - row["fwd_ms"]
+    except Exception as exc:  # time the backward alone on stand-in O and LSE
+        print(f"  forward kernel failed ({type(exc).__name__}: {str(exc)[:200]}); backward alone only")
+        out, lse = torch.randn_like(dout), torch.zeros(heads, out_rows, device="cuda")
+    row["bwd_ms"] = bench(bwd)
+    row["bwd_deterministic_ms"] = bench(lambda: bwd(True))
+    if broadcast_q:  # the fixed-order reduce of the per-program dQ copies, on its own
+        programs = torch.cuda.get_device_properties(0).multi_processor_count
+        partials = torch.zeros(programs, q_rows, heads, head_dim, device="cuda")
+        row["bcast_dq_reduce_ms"] = bench(lambda: partials.sum(0))
+    for key in ("bwd_ms", "fwd_bwd_minus_fwd_ms", "bwd_deterministic_ms"):
+        if key in row:
+            row[key.replace("_ms", "_tflops")] = specs.tflops(flops, row[key])
+    print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return row
+
+rows = []
+gem = specs.BENCH_SUITES["gem"]
+for c in gem:
+    lens = gem_lengths(c["batch"], c["max_len"], c["sparsity"], seed=specs.BENCH_SEED)
+    lens = [int(x) for x in lens]
+    rows.append(case(f"gem {c['case']}", lens, lens, c["heads"], c["head_dim"]))
+    torch.cuda.empty_cache()
+for c in specs.BENCH_SUITES["pma"]:
+    kv = [int(x) for x in gem_lengths(c["batch"], c["max_len"], c["sparsity"], seed=specs.BENCH_SEED)]
+    rows.append(case(f"pma {c['case']}", [c["q_len"]] * len(kv), kv, c["heads"], c["head_dim"], broadcast_q=True))
+dense = specs.BENCH_SUITES["dense"][0]
+lens = [dense["max_len"]] * dense["batch"]
+rows.append(case(f"dense {dense['case']}", lens, lens, dense["heads"], dense["head_dim"]))
+json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), open(sys.argv[1], "w"),
+          indent=1)
+PY
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== exit status $status"
+exit $status
