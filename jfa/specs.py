@@ -33,7 +33,10 @@ BWD_FLOP_FACTOR = 2.5  # backward = 2.5x forward (two GEMMs forward, five backwa
 
 
 def attention_pairs(q_lens, kv_lens, *, causal: bool = False, window: int | None = None) -> int:
-    """Number of (query, key) pairs attended: sum over sequences of the visible score entries."""
+    """Number of visible (query, key) pairs, with the masks of docs/CONTRACTS.md.
+
+    Causal is bottom-right aligned (query i sees keys j <= i + lk - lq); the window is |i - j| <= W.
+    """
     total = 0
     for lq, lk in zip(q_lens, kv_lens):
         lq, lk = int(lq), int(lk)
@@ -41,7 +44,7 @@ def attention_pairs(q_lens, kv_lens, *, causal: bool = False, window: int | None
             total += lq * lk
             continue
         for i in range(lq):
-            hi = min(lk - 1, i) if causal else lk - 1
+            hi = min(lk - 1, i + lk - lq) if causal else lk - 1
             lo = 0
             if window is not None:
                 lo = max(lo, i - window)
