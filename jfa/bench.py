@@ -502,8 +502,8 @@ def _progress(stream: TextIO, done: int, total: int, elapsed: float, label: str,
     filled = PROGRESS_BAR_WIDTH * done // max(total, 1)
     bar = "#" * filled + "." * (PROGRESS_BAR_WIDTH - filled)
     summary = "  ".join(f"{r['pass']} {r['tflops']:.1f}" if r["ok"] else f"{r['pass']} FAILED" for r in rows)
-    print(f"[{bar}] {done}/{total} {elapsed:5.0f}s  {label}  {summary}" + (" TFLOP/s" if any(r["ok"] for r in rows)
-                                                                          else ""), file=stream, flush=True)
+    unit = " TFLOP/s" if any(r["ok"] for r in rows) else ""
+    print(f"[{bar}] {done}/{total} {elapsed:5.0f}s  {label}  {summary}{unit}", file=stream, flush=True)
 
 
 def run_bench(suites: list[str], providers: list[str], passes: list[str], out: Path, *, quick: bool = False,
@@ -515,6 +515,7 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
     if env is None:
         from jfa.envinfo import environment
         env = environment()
+    registry = PROVIDERS if registry is None else registry
     results = ResultsFile(out, env)
     if redo_failed:
         results.drop_failed(set(suites), set(providers))
@@ -528,7 +529,7 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
     started, done = clock(), 0
     print(f"bench: {total} (case, provider) runs to do, {len(present)} rows already in {out}", file=stream)
     for case, missing in todo:
-        problems = None
+        problems = None  # built on first in-process use; dropping the last case's tensors first
         for provider in missing:
             elapsed = clock() - started
             if max_seconds is not None and elapsed >= max_seconds:
@@ -545,13 +546,11 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
                     return False
             else:
                 problems = problems or build_problems(case, device)
-                registry_ = PROVIDERS if registry is None else registry
-                rows = measure_provider(case, provider, registry_[provider], problems, passes, timer)
+                rows = measure_provider(case, provider, registry[provider], problems, passes, timer)
             rows = [r for r in rows if (r["suite"], r["case"], r["provider"], r["pass"]) not in present]
             results.add(rows)
             done += 1
             _progress(stream, done, total, clock() - started, label, rows)
-        del problems
     return True
 
 
