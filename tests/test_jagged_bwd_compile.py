@@ -187,3 +187,63 @@ def test_broadcast_q_schedule_uses_the_shared_query_length():
                                                  block_n=128, causal=False, window=None)
     assert schedule.num_entries.tolist() == [1 + 7]
     assert schedule.max_entries == 2 * 7
+
+
+# ---- the plain-Triton kernels, run by Triton's CPU interpreter ---------------------------------
+# The Delta preprocess and the deterministic dQ kernel use no TLX, so TRITON_INTERPRET=1 runs them
+# here. The interpreter must be on before the module is imported, hence a subprocess. fp16 only:
+# the interpreter mishandles bf16 dot operands (garbage products), which the GPU tests cover.
+_INTERPRETED_DQ_CHECK = r"""
+import math, sys, torch
+from jfa import reference, specs
+from jfa.kernels import jagged_bwd as jb
+
+def offsets(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+def check(q_lens, kv_lens, heads_q, heads_kv, head_dim, causal, window, broadcast_q, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q_rows = q_lens[0] if broadcast_q else sum(q_lens)
+    q = torch.randn(q_rows, heads_q, head_dim, generator=gen).half()
+    k, v = (torch.randn(sum(kv_lens), heads_kv, head_dim, generator=gen).half() for _ in range(2))
+    q_off, kv_off = offsets([q_lens[0]] if broadcast_q else q_lens), offsets(kv_lens)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    mask = dict(causal=causal, window=window, broadcast_q=broadcast_q)
+    out, lse = reference.jagged_attention_ref(*leaves, q_off, kv_off, **mask)
+    dout = torch.randn(out.shape, generator=gen).half()
+    dq_ref = torch.autograd.grad(out, leaves[0], dout.float())[0]
+    out_low = out.detach().half()
+    delta = jb.compute_delta(out_low, dout)
+    assert torch.allclose(delta, (out_low.float() * dout.float()).sum(-1).T, atol=1e-4), "Delta"
+    scale = 1 / math.sqrt(head_dim)
+    target = torch.full((len(kv_lens), *q.shape) if broadcast_q else q.shape, float("nan"),
+                        dtype=torch.float32 if broadcast_q else q.dtype)
+    row_width = heads_q * head_dim
+    q_blocks = -(-max(q_lens) // jb.DQ_BLOCK_M)
+    jb._dq_kernel[(q_blocks, len(kv_lens), heads_q)](
+        q, k, v, dout, lse.detach().contiguous(), delta, target, q_off, kv_off, row_width,
+        heads_kv * head_dim, lse.shape[1], delta.stride(0), q_rows * row_width if broadcast_q else 0,
+        q_rows if broadcast_q else 0, 0 if window is None else window, heads_q // heads_kv,
+        scale * jb.LOG2E.value, scale, HEAD_DIM=head_dim, BLOCK_M=jb.DQ_BLOCK_M, BLOCK_N=jb.DQ_BLOCK_N,
+        CAUSAL=causal, HAS_WINDOW=window is not None, BROADCAST_Q=broadcast_q)
+    dq = target.sum(0) if broadcast_q else target.float()
+    assert not torch.isnan(dq).any(), "dQ rows left unwritten"
+    relerr = ((dq - dq_ref).norm() / dq_ref.norm()).item()
+    assert relerr <= specs.GRAD_RELERR, f"dQ relative error {relerr:.2e}"
+
+check([0, 1, 63, 65, 130, 7], [0, 1, 63, 65, 130, 7], 4, 2, 64, False, None, False, 0)
+check([5, 64, 130, 0, 20], [70, 64, 20, 9, 0], 2, 2, 64, True, 16, False, 1)
+check([33] * 4, [5, 0, 70, 130], 2, 1, 64, True, None, True, 2)
+print("interpreted dQ kernel ok")
+"""
+
+
+def test_deterministic_dq_kernel_interpreted_matches_reference():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _INTERPRETED_DQ_CHECK], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "interpreted dQ kernel ok" in result.stdout
