@@ -586,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time attention providers on the benchmark suites of jfa.specs; append rows to a JSON file.")
     parser.add_argument("--suite", required=True, type=_csv(specs.BENCH_SUITES, "suite"),
                         help=f"comma-separated suites: {','.join(specs.BENCH_SUITES)} or all")
-    parser.add_argument("--providers", default=list(specs.BENCH_PROVIDERS), type=_csv(specs.BENCH_PROVIDERS, "provider"),
+    parser.add_argument("--providers", default=list(specs.BENCH_PROVIDERS),
+                        type=_csv(specs.BENCH_PROVIDERS, "provider"),
                         help=f"comma-separated providers (default all): {','.join(specs.BENCH_PROVIDERS)}")
     parser.add_argument("--passes", default=["fwd", "bwd"], type=_csv(specs.BENCH_PASSES, "pass"),
                         help="comma-separated passes: fwd,bwd,fwd+bwd (default fwd,bwd)")

@@ -54,7 +54,8 @@ def tflops_bar(rows: Iterable[Mapping], *, suite: str | None = None, pass_: str 
     fig = go.Figure()
     for provider in _provider_order({r["provider"] for r in picked}):
         by_case = {r["case"]: r for r in picked if r["provider"] == provider}
-        fig.add_bar(name=provider, x=cases, marker_color=PROVIDER_COLORS.get(provider), y=[by_case[c]["tflops"] if c in by_case else None for c in cases],
+        fig.add_bar(name=provider, x=cases, marker_color=PROVIDER_COLORS.get(provider),
+                    y=[by_case[c]["tflops"] if c in by_case else None for c in cases],
                     customdata=[by_case[c]["ms"] if c in by_case else None for c in cases],
                     hovertemplate="%{x}<br>%{y:.1f} TFLOP/s<br>%{customdata:.3f} ms<extra>" + provider + "</extra>")
     return _finish(fig, title or f"{suite or 'all suites'}: {pass_} TFLOP/s", barmode="group",
@@ -81,10 +82,12 @@ def speedup_bar(rows: Iterable[Mapping], *, suite: str | None = None, pass_: str
     cases = _cases_in_order(ok_rows(rows, suite=suite, pass_=pass_))
     fig = go.Figure()
     for peer in _provider_order(ratio):
-        fig.add_bar(name=f"vs {peer}", x=cases, marker_color=PROVIDER_COLORS.get(peer), y=[ratio[peer].get(c) for c in cases],
+        fig.add_bar(name=f"vs {peer}", x=cases, marker_color=PROVIDER_COLORS.get(peer),
+                    y=[ratio[peer].get(c) for c in cases],
                     hovertemplate="%{x}<br>%{y:.2f}x<extra>" + baseline + " vs " + peer + "</extra>")
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
-    return _finish(fig, title or f"{suite or 'all suites'}: {pass_} speedup of {baseline} (peer time / {baseline} time)",
+    default_title = f"{suite or 'all suites'}: {pass_} speedup of {baseline} (peer time / {baseline} time)"
+    return _finish(fig, title or default_title,
                    barmode="group", yaxis_title="speedup (x)", xaxis_title="case")
 
 

@@ -169,24 +169,28 @@ def build_fa2(problem: Problem) -> ProviderRun:
 
 def build_fa3(problem: Problem) -> ProviderRun:
     """FlashAttention-3 (`flash_attn_interface`), the Hopper kernels; also its FP8 forward."""
+    if problem.kind == "fp8":  # inputs already E4M3 with unit scales: no descale factors to pass
+        a = _Varlen(problem.q, problem.k, problem.v, problem.q_offsets, problem.kv_offsets, problem.max_q,
+                    problem.max_kv, [])
+        grads, no_backward = [], FP8_NO_BACKWARD
+    else:
+        a = _varlen_args(problem, "fa3")
+        grads, no_backward = [a.q, a.k, a.v], None
     fa3 = _import("flash_attn_interface", "fa3")
-    if problem.kind == "fp8":
-        q, k, v = problem.q.detach(), problem.k.detach(), problem.v.detach()
-        run = lambda: _first(fa3.flash_attn_varlen_func(q, k, v, problem.q_offsets, problem.kv_offsets,  # noqa: E731
-                                                        problem.max_q, problem.max_kv))
-        return ProviderRun(run, _identity, [], no_backward=FP8_NO_BACKWARD)
-    a = _varlen_args(problem, "fa3")
-    return ProviderRun(lambda: _first(fa3.flash_attn_varlen_func(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv)),
-                       _identity, [a.q, a.k, a.v], notes=a.notes)
+
+    def forward() -> torch.Tensor:
+        return _first(fa3.flash_attn_varlen_func(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv))
+    return ProviderRun(forward, _identity, grads, no_backward=no_backward, notes=a.notes)
 
 
 def build_fa4(problem: Problem) -> ProviderRun:
     """FlashAttention-4 (CuTe DSL, `flash_attn.cute`); on Hopper it runs its sm90 path."""
     a = _varlen_args(problem, "fa4")
     cute = _import("flash_attn.cute", "fa4")
-    run = lambda: _first(cute.flash_attn_varlen_func(a.q, a.k, a.v, cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv,  # noqa: E731
-                                                     max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv))
-    return ProviderRun(run, _identity, [a.q, a.k, a.v], notes=a.notes)
+    def forward() -> torch.Tensor:
+        return _first(cute.flash_attn_varlen_func(a.q, a.k, a.v, cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_kv,
+                                                  max_seqlen_q=a.max_q, max_seqlen_k=a.max_kv))
+    return ProviderRun(forward, _identity, [a.q, a.k, a.v], notes=a.notes)
 
 
 # ---- SDPA (dense only) -------------------------------------------------------------------------
