@@ -11,11 +11,10 @@ stall the CPU until every earlier kernel finished). So the list is built with a 
 ops on the device, sized by the host-known upper bound `B * ceil(max_seq_len_q / BLOCK_M)`:
 every (sequence, query block) pair gets an *entry*; entries past a sequence's end get work -1
 and sort behind the real ones, and the number of real entries goes to the kernel as a
-one-element device tensor. Heads are not part of an entry: tile `t` is entry `t // H`, head `t % H`,
-so the H heads of an entry (and a GQA group's shared K/V) run on neighbouring SMs at the same time.
-
-Broadcast-Q (one shared query sequence): entries are grouped by query block first, then sorted by
-work, so a program's consecutive tiles keep the same Q block and the kernel loads Q once for them.
+one-element device tensor. Heads are not part of an entry: the kernel walks the list once per
+head (tile t is head `t // entries`), so the programs running together share K/V through L2.
+Equal-work entries keep their (sequence, query block) order, so a sequence's query blocks stay
+neighbours; for broadcast-Q that keeps the shared Q block of a program's consecutive tiles equal.
 
 Schedules are cached per (offsets tensor, its version, parameters); the cache holds weak references,
 so a freed offsets tensor never matches a new one that happens to reuse its id.
@@ -27,8 +26,6 @@ import weakref
 
 import torch
 
-# Broadcast-Q sort key: query block in the high bits, KV work (tiles, < 2**WORK_BITS) in the low.
-WORK_BITS = 40
 CACHE_SIZE = 32  # schedules kept; a training step uses a handful of offsets tensors
 
 
@@ -93,12 +90,7 @@ def build_tile_schedule(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, *, ma
     q_lens = (torch.full_like(kv_lens, max_seq_len_q) if broadcast_q else qo[1:] - qo[:-1])
     work = kv_tiles_per_entry(q_lens, kv_lens, q_blocks_per_seq, block_m=block_m, block_n=block_n,
                               causal=causal, window=window)
-    if broadcast_q:
-        q_block = torch.arange(q_blocks_per_seq, device=work.device, dtype=torch.int64)[None, :]
-        sort_key = torch.where(work >= 0, ((q_blocks_per_seq - q_block) << WORK_BITS) + work, -1)
-    else:
-        sort_key = work
-    order = torch.argsort(sort_key.reshape(-1), descending=True, stable=True)
+    order = torch.argsort(work.reshape(-1), descending=True, stable=True)
     num_entries = (work >= 0).sum().reshape(1)
     schedule = TileSchedule(entries=_to_device(order.to(torch.int32), device),
                             num_entries=_to_device(num_entries.to(torch.int32), device),

@@ -31,7 +31,12 @@ fi
 
 if [[ " $PHASES " == *" tests "* ]]; then
   echo "== gpu tests"
-  timeout "${TEST_TIMEOUT_S:-100}" $PY -m pytest -v --tb=short -p no:cacheprovider --maxfail=10 tests/gpu/test_jagged_fwd.py 2>&1 \
+  # In parallel where pytest-xdist is installed (the compiles dominate), with a per-test timeout
+  # where pytest-timeout is (a pipeline deadlock then names its test instead of stalling the run).
+  extra=()
+  $PY -c "import xdist" 2>/dev/null && extra+=(-n "${TEST_WORKERS:-8}")
+  $PY -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout "${PER_TEST_TIMEOUT_S:-60}")
+  timeout "${TEST_TIMEOUT_S:-100}" $PY -m pytest -v --tb=short -p no:cacheprovider --maxfail=10 "${extra[@]}" tests/gpu/test_jagged_fwd.py 2>&1 \
     | tee "$OUT/tests.log" | grep -v "PASSED" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

@@ -21,21 +21,28 @@ from jfa import specs
 from jfa.kernels import jagged_fwd
 from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
 
-CONFIGS = list(itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
-                                 (False, True), (None, 32), (False, True)))
+BF16, FP16 = torch.bfloat16, torch.float16
+# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile): every flag combination with one
+# head per tile, and a spread of them with two (the short-query mode has its own ring layout).
+CONFIGS = [cfg + (1,) for cfg in itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
+                                                  (False, True), (None, 32), (False, True))]
+CONFIGS += [(64, BF16, False, None, True, 2), (128, BF16, False, None, True, 2),
+            (128, BF16, True, 32, False, 2), (128, FP16, False, None, False, 2),
+            (64, FP16, True, 32, True, 2), (128, BF16, False, 32, True, 2)]
 
 
 def _config_id(cfg):
-    head_dim, dtype, causal, window, broadcast_q = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads = cfg
     return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
-            f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}")
+            f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
+            f"{'-2heads' if heads == 2 else ''}")
 
 
 def _compile(cfg) -> dict:
     """Compile one configuration for sm_90; returns what the checks read (picklable)."""
-    head_dim, dtype, causal, window, broadcast_q = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads = cfg
     spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
-                                   broadcast_q=broadcast_q)
+                                   broadcast_q=broadcast_q, heads_per_tile=heads)
     source = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
@@ -86,6 +93,14 @@ def test_bad_config_raises():
         jagged_fwd.kernel_config(96, torch.bfloat16)
     with pytest.raises(TypeError, match="dtype"):
         jagged_fwd.kernel_config(128, torch.float32)
+    with pytest.raises(ValueError, match="heads_per_tile"):
+        jagged_fwd.kernel_config(128, torch.bfloat16, heads_per_tile=4)
+
+
+def test_short_queries_pair_heads():
+    assert jagged_fwd.heads_per_tile(64, 4) == 2 and jagged_fwd.tile_rows(2) == 64
+    assert jagged_fwd.heads_per_tile(65, 4) == 1 and jagged_fwd.tile_rows(1) == 128
+    assert jagged_fwd.heads_per_tile(16, 3) == 1  # odd head count: no pairs
 
 
 # ---- the schedule ----------------------------------------------------------------------------
@@ -168,8 +183,8 @@ def test_schedule_from_host_offsets_matches_device_build():
     assert torch.equal(a.entries, b.entries) and torch.equal(a.num_entries, b.num_entries)
 
 
-def test_broadcast_q_schedule_groups_query_blocks():
-    """PMA: tiles of one query block come together, so a program keeps its Q tile loaded."""
+def test_broadcast_q_schedule_keeps_query_blocks_of_a_sequence_together():
+    """PMA: equal-work entries keep their order, so a sequence's query blocks are neighbours."""
     clear_cache()
     q_offsets = torch.tensor([0, 256], dtype=torch.int32)
     kv_offsets = torch.tensor([0, 10, 900, 1200, 3200], dtype=torch.int32)
@@ -177,5 +192,6 @@ def test_broadcast_q_schedule_groups_query_blocks():
                                    block_n=128, causal=False, window=None, broadcast_q=True)
     blocks = (schedule.entries % schedule.q_blocks_per_seq).tolist()
     seqs = (schedule.entries // schedule.q_blocks_per_seq).tolist()
-    assert blocks == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert seqs[:4] == [3, 1, 2, 0]
+    assert schedule.num_entries.tolist() == [8]
+    assert blocks == [0, 1] * 4
+    assert seqs == [3, 3, 1, 1, 2, 2, 0, 0]

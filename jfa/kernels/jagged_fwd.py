@@ -3,10 +3,13 @@
 Semantics are those of `docs/CONTRACTS.md` (packed `[T, H, D]` sequences, bottom-right causal,
 symmetric window, GQA, broadcast-Q "PMA"). This module holds the kernel and its host wrapper.
 
-Work unit. A *tile* is (sequence b, query block of BLOCK_M rows, query head h). Its BLOCK_M rows
-are split between two consumer warpgroups of BLOCK_M/2 rows each; both stream the same K/V tiles
-of sequence b's visible key range. The tile list is built on the GPU (`jfa.schedule`), sorted by
-KV work, longest first, and a persistent grid of one program per SM strides through it.
+Work unit. A *tile* is (sequence b, query block of 128 rows, query head h). Its rows are split
+between two consumer warpgroups of 64 rows each; both stream the same K/V tiles of sequence b's
+visible key range. Short queries (every sequence <= 64 rows, e.g. broadcast-Q with q_len 64) would
+leave the second consumer with padding only, so there a tile is (b, 64 rows, heads h and h+1):
+each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2). The list of (sequence, query block) entries is built on the GPU
+(`jfa.schedule`), sorted by KV work, longest first; tile t is head `t // entries`, entry
+`t % entries`, and a persistent grid of one program per SM strides through the tiles.
 
 Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
 - producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, one half
@@ -26,8 +29,10 @@ inside the window for every row of the block) run without mask arithmetic; only 
 the edge tiles (window start, causal diagonal, window end, sequence end) pay for it.
 
 Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
-kept while the program's consecutive tiles have the same (query block, head), which the schedule
-arranges. Output rows of sequence b start at `b*q_len`. Q is never copied per sequence.
+kept while the program's consecutive tiles have the same (query block, head): always for q_len <=
+BLOCK_M and most of the time otherwise (tiles t and t+P share the head and, when P is a multiple
+of the query blocks per sequence, the block). Output rows of sequence b start at `b*q_len`.
+Q is never copied per sequence.
 """
 from __future__ import annotations
 
@@ -50,31 +55,37 @@ WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)  # wgmma's u
 PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
 
 
-# Per-configuration tuning: BLOCK_M query rows per tile (split over the consumers), BLOCK_N keys per
-# KV tile, the K/V ring depth, and the consumers' register budget (setmaxnreg). Shared memory at
-# D=128 bf16: Q 2x2x16 KB + K,V 2x2x32 KB = 192 KB of the 227 KB an H200 SM allows.
+# Per-configuration tuning, keyed by (head_dim, heads per tile): BLOCK_N keys per KV tile, the K/V
+# ring depth, and the consumers' register budget (setmaxnreg). Shared memory at D=128 bf16, one head
+# per tile: Q 2x2x16 KB + K,V 2x2x32 KB = 192 KB of the 227 KB an H200 SM allows; two heads per
+# tile double the K/V ring, so its KV tiles are 64 keys.
 TUNING = {
-    64: dict(BLOCK_M=128, BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232),
-    128: dict(BLOCK_M=128, BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232),
+    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
 }
+ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer
 
 
 @triton.jit
-def _tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
-                   q_blocks_per_seq, broadcast_q_len, window, gqa_group, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
+                   num_q_heads, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
     """Decode tile id -> where its rows are and which key tiles it visits.
 
-    Returns (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+    Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
     num_kv_tiles, bulk_lo, bulk_hi). Key tiles are numbered n = 0..num_kv_tiles-1 and start at
     sequence-local column `first_col + n*BLOCK_N`; tiles bulk_lo <= n < bulk_hi need no mask
-    (tile 0 is peeled and always masked, so bulk_lo >= 1). `q_key` identifies the Q block: equal
-    keys on consecutive tiles let the Q tile be reused (broadcast-Q only).
+    (tile 0 is peeled and always masked, so bulk_lo >= 1). `head` is the tile's first query head
+    (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let the
+    Q tile be reused (broadcast-Q only).
     """
-    entry = tl.load(tile_entries_ptr + tile // num_q_heads)
-    head = tile % num_q_heads
-    kv_head = head // gqa_group  # GQA: query heads j*G .. j*G+G-1 read KV head j
+    # Head-major: the programs running at the same time work on one head's consecutive entries,
+    # i.e. on the query blocks of a few sequences, which then share their K/V tiles through L2.
+    head = (tile // num_entries) * HEADS_PER_TILE
+    entry = tl.load(tile_entries_ptr + tile % num_entries)
     seq = entry // q_blocks_per_seq
     q_block = entry % q_blocks_per_seq
     kv_start = tl.load(kv_offsets_ptr + seq)
@@ -110,7 +121,7 @@ def _tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_
     bulk_hi = tl.minimum(tl.maximum(tl.maximum(full_hi - first_col, 0) // BLOCK_N, bulk_lo),
                          num_kv_tiles)
     q_row0 = q_start + row_lo
-    return (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+    return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
             num_kv_tiles, bulk_lo, bulk_hi)
 
 
@@ -119,24 +130,28 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
                       m_i, l_i, kv_count, col0, rows, q_len, kv_len, window, qk_scale_log2,
                       cid: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_KV_BUFFERS: tl.constexpr):
+                      NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr):
     """One KV tile of a consumer: issue QK^T(n), then P·V(n-1) behind it, then softmax(n).
 
     The P·V of the previous tile runs on the tensor cores while this warpgroup waits for QK^T and
-    computes the softmax, so the exp2 work hides behind a matrix multiply.
+    computes the softmax, so the exp2 work hides behind a matrix multiply. With two heads per tile
+    each ring slot holds one K (and V) tile per consumer, at index `slot * 2 + cid`.
     """
+    LANE: tl.constexpr = cid if HEADS_PER_TILE == 2 else 0
     k_slot, k_phase = ring_slot(kv_count, NUM_KV_BUFFERS)
-    tlx.barrier_wait(k_fulls[k_slot], k_phase)
+    k_buf = k_slot * HEADS_PER_TILE + LANE
+    tlx.barrier_wait(k_fulls[k_buf], k_phase)
     pingpong_enter(cid)
-    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_slot]))
+    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_buf]))
     pingpong_exit(cid)
 
     v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
-    tlx.barrier_wait(v_fulls[v_slot], v_phase)
-    acc = tlx.async_dot(p.to(v_tiles.dtype), v_tiles[v_slot], acc)
+    v_buf = v_slot * HEADS_PER_TILE + LANE
+    tlx.barrier_wait(v_fulls[v_buf], v_phase)
+    acc = tlx.async_dot(p.to(v_tiles.dtype), v_tiles[v_buf], acc)
 
     qk = tlx.async_dot_wait(1, qk)
-    tlx.barrier_arrive(k_empties[k_slot], 1)
+    tlx.barrier_arrive(k_empties[k_buf], 1)
     if MASKED:
         cols = col0 + tl.arange(0, BLOCK_N)
         qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW), qk,
@@ -144,7 +159,7 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
     p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i, qk_scale_log2, MASKED)
 
     acc = tlx.async_dot_wait(0, acc)
-    tlx.barrier_arrive(v_empties[v_slot], 1)
+    tlx.barrier_arrive(v_empties[v_buf], 1)
     acc = acc * alpha[:, None]
     return p, acc, m_i, l_i, kv_count + 1
 
@@ -153,30 +168,39 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
 def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr,
                        tile_entries_ptr, num_entries_ptr, stride_out_row, stride_lse_head,
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
-                       qk_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       qk_scale_log2, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                        BROADCAST_Q: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
                        CONSUMER_REGISTERS: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
-    ROWS: tl.constexpr = BLOCK_M // CONSUMERS  # query rows per consumer warpgroup
+    ROWS: tl.constexpr = ROWS_PER_CONSUMER
+    # One head per tile: the consumers split BLOCK_M = 128 query rows. Two heads per tile (short
+    # queries): both consumers take the same 64 rows, consumer c of query head `head + c`.
+    BLOCK_M: tl.constexpr = ROWS * CONSUMERS if HEADS_PER_TILE == 1 else ROWS
+    ROW_STEP: tl.constexpr = ROWS if HEADS_PER_TILE == 1 else 0
+    HEAD_STEP: tl.constexpr = 0 if HEADS_PER_TILE == 1 else 1
+    KV_READERS: tl.constexpr = CONSUMERS // HEADS_PER_TILE  # consumers that free each K/V tile
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     Q_BYTES: tl.constexpr = ROWS * HEAD_DIM * tlx.size_of(dtype)
     KV_BYTES: tl.constexpr = BLOCK_N * HEAD_DIM * tlx.size_of(dtype)
 
-    num_tiles = tl.load(num_entries_ptr) * num_q_heads
+    num_entries = tl.load(num_entries_ptr)
+    num_tiles = num_entries * (num_q_heads // HEADS_PER_TILE)
     first_tile = tl.program_id(0)
     tile_stride = tl.num_programs(0)
 
     q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
-    k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS)
-    v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS)
+    k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
+    v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
     q_fulls = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
     q_empties = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
-    k_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
-    k_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
-    v_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
-    v_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+    k_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS * HEADS_PER_TILE, arrive_count=1)
+    k_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS * HEADS_PER_TILE,
+                                   arrive_count=KV_READERS)
+    v_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS * HEADS_PER_TILE, arrive_count=1)
+    v_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS * HEADS_PER_TILE,
+                                   arrive_count=KV_READERS)
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: TMA loads only
@@ -184,10 +208,10 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             q_loads = 0
             loaded_q_key = -1
             for tile in range(first_tile, num_tiles, tile_stride):
-                (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
+                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
-                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
-                     q_blocks_per_seq, broadcast_q_len, window, gqa_group, BLOCK_M, BLOCK_N,
+                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q)
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
@@ -196,39 +220,49 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                             buf = q_slot * CONSUMERS + c
                             tlx.barrier_wait(q_empties[buf], q_phase ^ 1)
                             tlx.barrier_expect_bytes(q_fulls[buf], Q_BYTES)
-                            tlx.async_descriptor_load(desc_q, q_tiles[buf],
-                                                      [q_row0 + c * ROWS, head * HEAD_DIM],
-                                                      q_fulls[buf])
+                            tlx.async_descriptor_load(
+                                desc_q, q_tiles[buf],
+                                [q_row0 + c * ROW_STEP, (head + c * HEAD_STEP) * HEAD_DIM],
+                                q_fulls[buf])
                         q_loads += 1
                         loaded_q_key = q_key
                     kv_row = kv_start + first_col
                     for _ in range(num_kv_tiles):
                         slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
-                        tlx.barrier_wait(k_empties[slot], phase ^ 1)
-                        tlx.barrier_expect_bytes(k_fulls[slot], KV_BYTES)
-                        tlx.async_descriptor_load(desc_k, k_tiles[slot],
-                                                  [kv_row, kv_head * HEAD_DIM], k_fulls[slot])
-                        tlx.barrier_wait(v_empties[slot], phase ^ 1)
-                        tlx.barrier_expect_bytes(v_fulls[slot], KV_BYTES)
-                        tlx.async_descriptor_load(desc_v, v_tiles[slot],
-                                                  [kv_row, kv_head * HEAD_DIM], v_fulls[slot])
+                        for lane in tl.static_range(HEADS_PER_TILE):
+                            buf = slot * HEADS_PER_TILE + lane
+                            # GQA: query heads j*G .. j*G+G-1 read KV head j
+                            kv_col = ((head + lane) // gqa_group) * HEAD_DIM
+                            tlx.barrier_wait(k_empties[buf], phase ^ 1)
+                            tlx.barrier_expect_bytes(k_fulls[buf], KV_BYTES)
+                            tlx.async_descriptor_load(desc_k, k_tiles[buf], [kv_row, kv_col],
+                                                      k_fulls[buf])
+                        for lane in tl.static_range(HEADS_PER_TILE):
+                            buf = slot * HEADS_PER_TILE + lane
+                            kv_col = ((head + lane) // gqa_group) * HEAD_DIM
+                            tlx.barrier_wait(v_empties[buf], phase ^ 1)
+                            tlx.barrier_expect_bytes(v_fulls[buf], KV_BYTES)
+                            tlx.async_descriptor_load(desc_v, v_tiles[buf], [kv_row, kv_col],
+                                                      v_fulls[buf])
                         kv_row += BLOCK_N
                         kv_count += 1
 
         with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS,
                             replicate=CONSUMERS):
             cid: tl.constexpr = tlx.async_task_replica_id()
+            LANE: tl.constexpr = cid if HEADS_PER_TILE == 2 else 0
             pingpong_start(cid)
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
             for tile in range(first_tile, num_tiles, tile_stride):
-                (head, kv_head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
+                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
-                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
-                     q_blocks_per_seq, broadcast_q_len, window, gqa_group, BLOCK_M, BLOCK_N,
+                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q)
-                rows = row_lo + cid * ROWS + tl.arange(0, ROWS)
+                rows = row_lo + cid * ROW_STEP + tl.arange(0, ROWS)
+                my_head = head + cid * HEAD_STEP
                 out_rows = out_row0 + rows
                 row_valid = rows < q_len
                 if num_kv_tiles > 0:
@@ -249,12 +283,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
 
                     # Peeled first KV tile: QK^T only (there is no previous P·V to overlap).
                     k_slot, k_phase = ring_slot(kv_count, NUM_KV_BUFFERS)
-                    tlx.barrier_wait(k_fulls[k_slot], k_phase)
+                    k_buf = k_slot * HEADS_PER_TILE + LANE
+                    tlx.barrier_wait(k_fulls[k_buf], k_phase)
                     pingpong_enter(cid)
-                    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_slot]))
+                    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_buf]))
                     pingpong_exit(cid)
                     qk = tlx.async_dot_wait(0, qk)
-                    tlx.barrier_arrive(k_empties[k_slot], 1)
+                    tlx.barrier_arrive(k_empties[k_buf], 1)
                     cols = first_col + tl.arange(0, BLOCK_N)
                     qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL,
                                                HAS_WINDOW), qk, float("-inf"))
@@ -267,36 +302,37 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE)
                     for n in range(bulk_lo, bulk_hi):
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE)
                     for n in range(bulk_hi, num_kv_tiles):
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE)
 
                     # Drain: the last tile's P·V.
                     v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
-                    tlx.barrier_wait(v_fulls[v_slot], v_phase)
-                    acc = tlx.async_dot(p.to(dtype), v_tiles[v_slot], acc)
+                    v_buf = v_slot * HEADS_PER_TILE + LANE
+                    tlx.barrier_wait(v_fulls[v_buf], v_phase)
+                    acc = tlx.async_dot(p.to(dtype), v_tiles[v_buf], acc)
                     acc = tlx.async_dot_wait(0, acc)
-                    tlx.barrier_arrive(v_empties[v_slot], 1)
+                    tlx.barrier_arrive(v_empties[v_buf], 1)
 
                     # Finalize inside the branch: joining the wgmma accumulator with a zero tile
                     # would make the compiler convert fp32 accumulators through shared memory.
                     out, lse = finalize_rows(acc, m_i, l_i, dtype)
-                    store_rows(out_ptr, lse_ptr, out, lse, out_rows, row_valid, head,
+                    store_rows(out_ptr, lse_ptr, out, lse, out_rows, row_valid, my_head,
                                stride_out_row, stride_lse_head, HEAD_DIM)
                 else:  # the block sees no key at all: output 0, LSE -inf
                     store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], dtype),
                                tl.full([ROWS], float("-inf"), tl.float32), out_rows, row_valid,
-                               head, stride_out_row, stride_lse_head, HEAD_DIM)
+                               my_head, stride_out_row, stride_lse_head, HEAD_DIM)
 
 
 _SIGNATURE_SCALARS = dict(
@@ -307,28 +343,46 @@ _SIGNATURE_SCALARS = dict(
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def tile_rows(heads_per_tile: int) -> int:
+    """Query rows of one tile: both consumers' rows of one head, or one consumer's of two heads."""
+    return ROWS_PER_CONSUMER.value * (NUM_CONSUMERS.value // heads_per_tile)
+
+
+def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
+    """2 when every query block fits one consumer (<= 64 rows) and the heads pair up, else 1.
+
+    With one head per tile, a query sequence of 64 rows or fewer would leave the second consumer
+    computing on padding rows only, half the tensor-core work wasted; pairing heads gives each
+    consumer real rows (broadcast-Q with q_len 64, short jagged queries).
+    """
+    return 2 if max_seq_len_q <= ROWS_PER_CONSUMER.value and q_heads % 2 == 0 else 1
+
+
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
-                  window: int | None = None, broadcast_q: bool = False) -> dict:
+                  window: int | None = None, broadcast_q: bool = False,
+                  heads_per_tile: int = 1) -> dict:
     """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem)."""
-    if head_dim not in TUNING:
-        raise ValueError(f"head_dim must be one of {sorted(TUNING)}, got {head_dim}")
+    if head_dim not in specs.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {specs.SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if dtype not in _TRITON_DTYPE_NAMES:
         raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
-    return dict(HEAD_DIM=head_dim, CAUSAL=bool(causal),
-                HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q), **TUNING[head_dim])
+    if heads_per_tile not in (1, 2):
+        raise ValueError(f"heads_per_tile must be 1 or 2, got {heads_per_tile}")
+    return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
+                HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
+                **TUNING[(head_dim, heads_per_tile)])
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                 window: int | None = None, broadcast_q: bool = False):
+                 window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1):
     """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window,
-                               broadcast_q=broadcast_q)
+                               broadcast_q=broadcast_q, heads_per_tile=heads_per_tile)
     name = _TRITON_DTYPE_NAMES[dtype]
-    rows = constexprs["BLOCK_M"] // NUM_CONSUMERS.value
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
-    signature = dict(desc_q=f"tensordesc<{name}[{rows}, {head_dim}]>", desc_k=kv_box,
+    signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>", desc_k=kv_box,
                      desc_v=kv_box, **_SIGNATURE_SCALARS)
     signature["out_ptr"] = f"*{name}"
     signature.update({k: "constexpr" for k in constexprs})
@@ -384,16 +438,17 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         lse.fill_(float("-inf"))
         return out, lse
 
+    pairing = heads_per_tile(max_seq_len_q, q_heads)
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window,
-                           broadcast_q=broadcast_q)
+                           broadcast_q=broadcast_q, heads_per_tile=pairing)
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
-                                       block_m=config["BLOCK_M"], block_n=config["BLOCK_N"],
+                                       block_m=tile_rows(pairing), block_n=config["BLOCK_N"],
                                        causal=causal, window=window, broadcast_q=broadcast_q)
-    max_tiles = schedule.max_entries * q_heads
+    max_tiles = schedule.max_entries * (q_heads // pairing)
     grid = (max(1, min(_num_sms(q.device), max_tiles)),)
     _jagged_fwd_kernel[grid](
-        _rows_descriptor(q, config["BLOCK_M"] // NUM_CONSUMERS.value),
+        _rows_descriptor(q, ROWS_PER_CONSUMER.value),
         _rows_descriptor(k, config["BLOCK_N"]), _rows_descriptor(v, config["BLOCK_N"]),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,

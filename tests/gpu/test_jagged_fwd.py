@@ -93,6 +93,12 @@ SELF_CASES = {
     "window200": dict(lengths=random_lengths(12, 1, 2500, seed=5), window=200),
     "window0": dict(lengths=[129, 300], window=0),
     "causal_window": dict(lengths=EDGE_LENGTHS + [1031], causal=True, window=100),
+    # every query <= 64 rows: two heads per tile (one per consumer)
+    "short_paired": dict(lengths=[0, 1, 63, 64, 2, 33] + random_lengths(20, 0, 64, seed=8)),
+    "short_paired_causal_window_gqa": dict(lengths=[64, 1, 0, 40, 63], causal=True, window=9,
+                                           heads_q=8, heads_kv=2),
+    "short_paired_d64_fp16": dict(lengths=[64, 17, 0, 64, 5], head_dim=64, dtype=torch.float16),
+    "short_odd_heads": dict(lengths=[64, 17, 0, 3], heads_q=3, heads_kv=3),
 }
 
 
