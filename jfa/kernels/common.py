@@ -22,10 +22,11 @@ import triton.language.extra.tlx as tlx
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in exp2: e^x = 2^(x*log2 e)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # back to natural log for the LSE
 
-# Keep the running row maximum (and skip moving the accumulator to a new reference) until the new
-# tile's maximum exceeds it by more than this many log2 units. Probabilities are then bounded by
-# 2^8 = 256 before normalization, far inside fp32 and bf16 range, and most KV tiles after the first
-# few leave the reference unchanged (the seed's choice of 8).
+# Keep the running row maximum until a new tile's maximum exceeds it by more than this many log2
+# units (the seed's choice of 8). Probabilities are then bounded by 2^8 = 256 before normalization,
+# far inside fp32 and bf16 range, and most KV tiles after the first few leave the reference alone.
+# On Blackwell that skips a tensor-memory round trip of the accumulator; here the accumulator is in
+# registers and is multiplied by alpha (exactly 1 for such rows) either way, branch-free.
 RESCALE_THRESHOLD_LOG2: tl.constexpr = tl.constexpr(8.0)
 
 # Named barriers 0..15 exist per CTA; Triton itself uses low ids, the TLX tutorials use 9 and 10

@@ -7,9 +7,10 @@ Work unit. A *tile* is (sequence b, query block of 128 rows, query head h). Its 
 between two consumer warpgroups of 64 rows each; both stream the same K/V tiles of sequence b's
 visible key range. Short queries (every sequence <= 64 rows, e.g. broadcast-Q with q_len 64) would
 leave the second consumer with padding only, so there a tile is (b, 64 rows, heads h and h+1):
-each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2). The list of (sequence, query block) entries is built on the GPU
-(`jfa.schedule`), sorted by KV work, longest first; tile t is head `t // entries`, entry
-`t % entries`, and a persistent grid of one program per SM strides through the tiles.
+each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
+The list of (sequence, query block) entries is built on the GPU (`jfa.schedule`), sorted by KV
+work, longest first; tile t is head (pair) `t // entries`, entry `t % entries`, and a persistent
+grid of one program per SM strides through the tiles.
 
 Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
 - producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, one half
@@ -29,9 +30,9 @@ inside the window for every row of the block) run without mask arithmetic; only 
 the edge tiles (window start, causal diagonal, window end, sequence end) pay for it.
 
 Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
-kept while the program's consecutive tiles have the same (query block, head): always for q_len <=
-BLOCK_M and most of the time otherwise (tiles t and t+P share the head and, when P is a multiple
-of the query blocks per sequence, the block). Output rows of sequence b start at `b*q_len`.
+kept while the program's consecutive tiles have the same (query block, head): always when q_len
+fits one tile and most of the time otherwise (tiles t and t+P share the head and, when P is a
+multiple of the query blocks per sequence, the block). Output rows of sequence b start at `b*q_len`.
 Q is never copied per sequence.
 """
 from __future__ import annotations
@@ -335,8 +336,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                                my_head, stride_out_row, stride_lse_head, HEAD_DIM)
 
 
-_SIGNATURE_SCALARS = dict(
-    out_ptr=None, lse_ptr="*fp32", q_offsets_ptr="*i32", kv_offsets_ptr="*i32",
+_SIGNATURE_AFTER_OUT = dict(
+    lse_ptr="*fp32", q_offsets_ptr="*i32", kv_offsets_ptr="*i32",
     tile_entries_ptr="*i32", num_entries_ptr="*i32", stride_out_row="i32", stride_lse_head="i32",
     num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32",
     gqa_group="i32", qk_scale_log2="fp32")
@@ -382,9 +383,8 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                                broadcast_q=broadcast_q, heads_per_tile=heads_per_tile)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
-    signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>", desc_k=kv_box,
-                     desc_v=kv_box, **_SIGNATURE_SCALARS)
-    signature["out_ptr"] = f"*{name}"
+    signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>",
+                     desc_k=kv_box, desc_v=kv_box, out_ptr=f"*{name}", **_SIGNATURE_AFTER_OUT)
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
                       num_warps=PRODUCER_WARPS, name="jagged_fwd",
