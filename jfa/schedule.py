@@ -47,21 +47,24 @@ def kv_tiles_per_entry(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_blocks_per
                        block_m: int, block_n: int, causal: bool, window: int | None) -> torch.Tensor:
     """KV tiles each (sequence, query block) visits, [B, q_blocks_per_seq]; -1 past the sequence end.
 
-    The same range arithmetic as the kernel's `_tile_geometry`, vectorized (int64).
+    The same range arithmetic as the kernel's `_tile_geometry`, vectorized (int64). Written with
+    few torch ops because each costs a dispatch (microseconds) when the schedule is rebuilt for
+    new offsets; python ints stand in for ranges that do not depend on the sequence.
     """
     q_lens = q_lens.to(torch.int64)[:, None]
     kv_lens = kv_lens.to(torch.int64)[:, None]
-    row_lo = torch.arange(q_blocks_per_seq, device=q_lens.device, dtype=torch.int64)[None, :] * block_m
+    row_lo = torch.arange(0, q_blocks_per_seq * block_m, block_m, device=q_lens.device,
+                          dtype=torch.int64)
     row_hi = torch.minimum(row_lo + block_m, q_lens) - 1  # [B, blocks]
-    kv_lo = torch.zeros_like(row_hi)
-    kv_hi = kv_lens.expand_as(row_hi)
+    kv_lo, first_col, kv_hi = 0, 0, kv_lens
     if causal:
-        kv_hi = torch.minimum(kv_hi, row_hi + (kv_lens - q_lens) + 1)
+        kv_hi = torch.minimum(kv_hi, row_hi + (kv_lens - q_lens + 1))
     if window is not None:
-        kv_lo = torch.clamp(row_lo - window, min=0)
-        kv_hi = torch.minimum(kv_hi, row_hi + window + 1)
-    first_col = (kv_lo // block_n) * block_n
-    tiles = torch.where(kv_hi > kv_lo, (kv_hi - first_col + block_n - 1) // block_n, 0)
+        kv_lo = (row_lo - window).clamp_(min=0)
+        first_col = kv_lo - kv_lo % block_n
+        kv_hi = torch.minimum(kv_hi, row_hi + (window + 1))
+    tiles = (kv_hi - first_col + (block_n - 1)).div_(block_n, rounding_mode="floor")
+    tiles = torch.where(kv_hi > kv_lo, tiles, 0)
     return torch.where(row_lo < q_lens, tiles, -1)
 
 
