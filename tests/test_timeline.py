@@ -147,7 +147,7 @@ def test_saved_document_is_found_by_the_notebook_and_plots(tmp_path):
 def test_summary_names_every_role_and_the_wall_time():
     doc = timeline.timeline_from_stamps(fake_stamps(), K_TILES) | dict(problem=dict(M=256, N=128, K=128), wall_us=4.0)
     text = timeline.summary_text(doc)
-    assert "3.1 us of 4.0 us wall" in text and "40 ns" in text
+    assert "3.1 us of 4.0 us kernel time" in text and "40 ns" in text
     assert "producer   busy  66.7%" in text and "consumer0" in text and "consumer1" in text
 
 
