@@ -10,4 +10,7 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$dest"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 python3 -m jfa check
-python3 -m pytest -m gpu tests -p no:cacheprovider -q --results-json "$dest/gpu-tests-$stamp.json" "$@"
+# Kernel compiles dominate the run: spread the tests over processes where pytest-xdist is installed.
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
+python3 -m pytest -m gpu tests -p no:cacheprovider -q "${workers[@]}" --results-json "$dest/gpu-tests-$stamp.json" "$@"

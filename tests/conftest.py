@@ -48,7 +48,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--results-json")
-    if not path:
+    if not path or hasattr(session.config, "workerinput"):  # xdist workers: the controller writes it
         return
     import json
     from collections import Counter
