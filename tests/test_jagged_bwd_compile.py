@@ -21,32 +21,34 @@ from jfa import specs
 from jfa.kernels import jagged_bwd
 
 BF16, FP16 = torch.bfloat16, torch.float16
-# (head_dim, dtype, causal, window, broadcast_q, deterministic): every feature, and each head_dim
-# and dtype on the plain kernel, without the full product (each compile takes ~10 s of one core).
+SEP, ATOMIC, TMA = "separate", "atomic", "tma_reduce"
+# (head_dim, dtype, causal, window, broadcast_q, dq_mode): every feature, and each head_dim and
+# dtype on the plain kernel, without the full product (each compile takes ~10 s of one core).
 CONFIGS = [
-    (128, BF16, False, None, False, False),
-    (64, BF16, False, None, False, False),
-    (128, FP16, False, None, False, False),
-    (64, FP16, False, None, False, False),
-    (128, BF16, True, None, False, False),
-    (128, BF16, False, 32, False, False),
-    (128, BF16, True, 32, False, False),
-    (128, BF16, False, None, True, False),
-    (128, BF16, False, 32, True, False),
-    (128, BF16, False, None, False, True),
-    (128, BF16, True, 32, False, True),
-    (128, BF16, False, None, True, True),
-    (64, FP16, True, 32, True, True),
+    (128, BF16, False, None, False, SEP),
+    (64, BF16, False, None, False, SEP),
+    (128, FP16, False, None, False, SEP),
+    (64, FP16, False, None, False, SEP),
+    (128, BF16, True, None, False, SEP),
+    (128, BF16, False, 32, False, SEP),
+    (128, BF16, True, 32, False, SEP),
+    (128, BF16, False, None, True, SEP),
+    (64, FP16, True, 32, True, SEP),
+    (128, BF16, False, None, False, ATOMIC),
+    (128, BF16, True, 32, True, ATOMIC),
+    (128, BF16, False, None, False, TMA),
+    (64, BF16, False, None, False, TMA),
+    (128, BF16, True, 32, True, TMA),
 ]
 DQ_CONFIGS = [(128, BF16, False, None, False), (64, FP16, True, 32, False), (128, BF16, False, None, True),
               (128, BF16, True, 32, True)]
 
 
 def _config_id(cfg):
-    head_dim, dtype, causal, window, broadcast_q, *deterministic = cfg
+    head_dim, dtype, causal, window, broadcast_q, *dq_mode = cfg
     return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
             f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
-            f"{'-deterministic' if deterministic and deterministic[0] else ''}")
+            f"{'-dq_' + dq_mode[0] if dq_mode else ''}")
 
 
 def _compile_spec(spec) -> dict:
@@ -59,9 +61,9 @@ def _compile_spec(spec) -> dict:
 def _compile(job) -> dict:
     kind, cfg = job
     if kind == "tlx":
-        head_dim, dtype, causal, window, broadcast_q, deterministic = cfg
+        head_dim, dtype, causal, window, broadcast_q, dq_mode = cfg
         spec = jagged_bwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
-                                       broadcast_q=broadcast_q, deterministic=deterministic)
+                                       broadcast_q=broadcast_q, dq_mode=dq_mode)
     else:
         head_dim, dtype, causal, window, broadcast_q = cfg
         spec = jagged_bwd.dq_inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
@@ -86,7 +88,7 @@ def _count(ptx: str, mnemonic: str) -> int:
 def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
     result = compiled[("tlx", cfg)]
     ptx, shared = result["ptx"], result["shared"]
-    deterministic = cfg[-1]
+    dq_mode = cfg[-1]
     # S^T, dP^T, dV, dK (and dQ) all run on wgmma.
     assert _count(ptx, "wgmma.mma_async") > 0
     # Producer gives registers back, consumers take them.
@@ -96,9 +98,12 @@ def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
     assert shared <= specs.SHARED_BYTES_PER_BLOCK["sm_90"]
     # dK/dV are stored with row masks, never whole-tile TMA stores that would clobber the next sequence.
     assert "cp.async.bulk.tensor.2d.global.shared" not in ptx
-    # dQ: fp32 atomics by default; none at all in deterministic mode (float atomics reorder sums).
+    # dQ: fp32 atomics only in the atomic mode, one TMA reduce-add per consumer in the TMA mode, and
+    # neither in the separate (deterministic) mode: float atomics reorder sums.
     float_atomics = len(re.findall(r"(?:atom|red)\.global\.[\w.]*add\.f32", ptx))
-    assert (float_atomics == 0) if deterministic else (float_atomics > 0)
+    tma_reduces = _count(ptx, "cp.reduce.async.bulk.tensor")
+    assert (float_atomics > 0) == (dq_mode == ATOMIC)
+    assert (tma_reduces > 0) == (dq_mode == TMA)
 
 
 @pytest.mark.parametrize("cfg", DQ_CONFIGS, ids=[_config_id(c) for c in DQ_CONFIGS])
@@ -122,6 +127,12 @@ def test_bad_config_raises():
         jagged_bwd.kernel_config(96, BF16)
     with pytest.raises(TypeError, match="dtype"):
         jagged_bwd.kernel_config(128, torch.float32)
+    with pytest.raises(ValueError, match="dq_mode"):
+        jagged_bwd.kernel_config(128, BF16, dq_mode="fast")
+    with pytest.raises(ValueError, match="deterministic"):
+        jagged_bwd.resolve_dq_mode("atomic", deterministic=True)
+    assert jagged_bwd.resolve_dq_mode(None, deterministic=True) == "separate"
+    assert jagged_bwd.resolve_dq_mode(None, deterministic=False) == jagged_bwd.DEFAULT_DQ_MODE
 
 
 # ---- the schedule ----------------------------------------------------------------------------

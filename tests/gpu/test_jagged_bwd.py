@@ -63,12 +63,12 @@ def poisoned_view(like: torch.Tensor):
 
 
 def run_kernel(q, k, v, dout, out, lse, q_off, kv_off, q_lens, kv_lens, *, causal, window, broadcast_q,
-               deterministic):
+               deterministic, dq_mode=None):
     buffers = [poisoned_view(t) for t in (q, k, v)]
     views = tuple(view for _, view in buffers)
     grads = jagged_bwd.jagged_attention_bwd(
         dout, q, k, v, out, lse, q_off, kv_off, max(q_lens), max(kv_lens), None, causal, window,
-        broadcast_q, deterministic=deterministic, grads=views)
+        broadcast_q, deterministic=deterministic, dq_mode=dq_mode, grads=views)
     torch.cuda.synchronize()
     for (buf, view), grad in zip(buffers, grads):
         assert grad.data_ptr() == view.data_ptr()
@@ -78,14 +78,14 @@ def run_kernel(q, k, v, dout, out, lse, q_off, kv_off, q_lens, kv_lens, *, causa
 
 
 def check_case(q_lens, kv_lens, *, heads_q=4, heads_kv=4, head_dim=128, dtype=torch.bfloat16, causal=False,
-               window=None, broadcast_q=False, deterministic=False, seed=0):
+               window=None, broadcast_q=False, deterministic=False, dq_mode=None, seed=0):
     q, k, v, dout, q_off, kv_off = make_problem(q_lens, kv_lens, heads_q=heads_q, heads_kv=heads_kv,
                                                 head_dim=head_dim, dtype=dtype, broadcast_q=broadcast_q,
                                                 seed=seed)
     mask = dict(causal=causal, window=window, broadcast_q=broadcast_q)
     out_ref, lse, ref = reference_grads(q, k, v, dout, q_off, kv_off, **mask)
     grads = run_kernel(q, k, v, dout, out_ref.to(dtype), lse, q_off, kv_off, q_lens, kv_lens,
-                       deterministic=deterministic, **mask)
+                       deterministic=deterministic, dq_mode=dq_mode, **mask)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
         assert not torch.isnan(got).any(), f"{name}: rows left unwritten (still NaN)"
         assert torch.isfinite(got).all(), f"{name}: Inf"
@@ -150,6 +150,25 @@ def test_broadcast_q(name):
     case = dict(PMA_CASES[name])
     q_len, kv_lens = case.pop("q_len"), case.pop("kv_lens")
     check_case([q_len] * len(kv_lens), kv_lens, broadcast_q=True, **case)
+
+
+FUSED_DQ_CASES = {  # the fused dQ modes on a cross-section of the features
+    "edge_d128": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS),
+    "causal_window200_long": dict(q_lens=LONG_LENGTHS, kv_lens=LONG_LENGTHS, causal=True, window=200,
+                                  heads_q=2, heads_kv=2),
+    "gqa4_causal_d64": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS, heads_q=8, heads_kv=2, head_dim=64,
+                            causal=True),
+    "pma_q64": dict(q_lens=[64] * 40, kv_lens=random_lengths(40, 0, 300, seed=2), broadcast_q=True),
+    "pma_q100_window_causal": dict(q_lens=[100] * 4, kv_lens=[300, 65, 1, 100], window=32, causal=True,
+                                   broadcast_q=True),
+}
+
+
+@pytest.mark.parametrize("dq_mode", ["atomic", "tma_reduce"])
+@pytest.mark.parametrize("name", FUSED_DQ_CASES)
+def test_fused_dq_modes(name, dq_mode):
+    case = dict(FUSED_DQ_CASES[name])
+    check_case(case.pop("q_lens"), case.pop("kv_lens"), dq_mode=dq_mode, **case)
 
 
 DETERMINISTIC_CASES = {
