@@ -71,7 +71,8 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # BLOCK_N keys per tile (BLOCK_N/2 per consumer), BLOCK_M query rows per streamed block, ring depths
 # and the consumers' setmaxnreg budget. A consumer holds dK and dV ([64, D] fp32 each) plus the dQ
 # piece, so it needs most of the register file: 2 x 240 + producer 24 (x128 threads) <= 64K.
-# Shared memory at D=128 bf16: K,V 2x32 KB + Q,dO ring 2x(16+16) KB + dS^T staging 2x8 KB = 144 KB.
+# Shared memory at D=128 bf16: K,V 2x32 KB + Q,dO ring 2x(16+16) KB + dS^T staging 2x8 KB = 144 KB,
+# plus 2x32 KB of fp32 dQ staging in the tma_reduce mode (224 KB with the compiler's scratch).
 TUNING = {
     64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
     128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=1, CONSUMER_REGISTERS=240),
