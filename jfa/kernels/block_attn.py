@@ -6,9 +6,10 @@ recomputes P from Q and K and derives everything else from the same block, so it
 ``Delta`` pass either.
 
 Work split. A *unit* is (head, block). The list of blocks is built on the GPU from the offsets
-(``build_block_table``: start row and real row count of each block, plus the block count as a
-one-element device tensor), so launching needs no host synchronisation. A fixed grid of persistent
-programs (one per SM) deals the units out round-robin: program ``p`` takes units ``p, p+P, ...``.
+(``jfa.schedule.build_block_table``: start row and real row count of each block, plus the block
+count as a one-element device tensor), so launching needs no host synchronisation. A fixed grid of
+persistent programs (one per SM) deals the units out round-robin: program ``p`` takes units
+``p, p+P, ...``.
 
 Warp layout of one program (Hopper warp specialisation):
 - a producer warpgroup (the default task, few registers) streams the tiles of each unit by TMA into
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 from jfa.kernels.common import LOG2E, ring_slot
+from jfa.schedule import build_block_table
 from jfa.specs import BLOCK_ATTENTION_BLOCK
 
 # tl.constexpr globals are readable inside @triton.jit functions; plain ints are not
@@ -66,29 +68,6 @@ def fwd_ring_depth(head_dim: int) -> int:
 
 def bwd_ring_depth(head_dim: int) -> int:
     return ring_depth(head_dim, BWD_TILES_PER_SLOT, NUM_CONSUMERS * BWD_STAGING_TILES * BLOCK_ATTENTION_BLOCK**2 * 2)
-
-
-# ---- the block table (device side, no host sync) ----------------------------------------------
-
-def build_block_table(offsets: torch.Tensor, total_rows: int):
-    """Start row and real row count of every 64-token block, built on ``offsets``' device.
-
-    Returns ``(block_start, block_rows, num_blocks)``: int32 tensors of a static upper-bound length
-    ``cdiv(total_rows, 64) + B`` (every sequence wastes at most one partial block) and a one-element
-    tensor holding the real block count, which the kernel reads; entries past it are never visited.
-    """
-    seq_lens = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    num_seqs = seq_lens.numel()
-    capacity = triton.cdiv(total_rows, BLOCK_ATTENTION_BLOCK) + num_seqs
-    blocks_per_seq = (seq_lens + BLOCK_ATTENTION_BLOCK - 1) // BLOCK_ATTENTION_BLOCK
-    blocks_end = torch.cumsum(blocks_per_seq, 0)
-    slot = torch.arange(capacity, device=offsets.device, dtype=torch.int64)
-    seq = torch.searchsorted(blocks_end, slot, right=True).clamp_(max=num_seqs - 1)
-    block_in_seq = slot - (blocks_end - blocks_per_seq)[seq]
-    block_start = offsets.to(torch.int64)[seq] + block_in_seq * BLOCK_ATTENTION_BLOCK
-    block_rows = (offsets.to(torch.int64)[seq + 1] - block_start).clamp_(0, BLOCK_ATTENTION_BLOCK)
-    num_blocks = blocks_end[-1:].to(torch.int32)
-    return block_start.to(torch.int32), block_rows.to(torch.int32), num_blocks
 
 
 # ---- device helpers -------------------------------------------------------------------------

@@ -415,9 +415,9 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     Inputs are already validated (`jfa.jagged.validate_jagged_attention`). `out` and `lse` may be
     given (contiguous rows; lse's head stride is free) so tests can poison them and check that only
     valid rows are written. `schedule` (a `jfa.schedule.TileSchedule`) skips building the tile list.
-    `max_seq_len_kv` is not needed: the kernel reads every KV range from the offsets.
+    `max_seq_len_kv` only bounds the work values the tile list sorts by; the kernel reads every KV
+    range from the offsets.
     """
-    del max_seq_len_kv
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
@@ -425,6 +425,8 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     out_rows = num_seqs * q_len if broadcast_q else q.shape[0]
     if max_seq_len_q is None:  # costs a device sync; callers on the hot path pass it
         max_seq_len_q = q_len if broadcast_q else int((q_offsets[1:] - q_offsets[:-1]).max())
+    if max_seq_len_kv is None:  # every sequence fits in all keys: a loose bound, but no sync
+        max_seq_len_kv = k.shape[0]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     if out is None:
@@ -444,7 +446,8 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
                                        block_m=tile_rows(pairing), block_n=config["BLOCK_N"],
-                                       causal=causal, window=window, broadcast_q=broadcast_q)
+                                       causal=causal, window=window, broadcast_q=broadcast_q,
+                                       max_seq_len_kv=max_seq_len_kv)
     max_tiles = schedule.max_entries * (q_heads // pairing)
     grid = (max(1, min(_num_sms(q.device), max_tiles)),)
     _jagged_fwd_kernel[grid](
