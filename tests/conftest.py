@@ -1,25 +1,13 @@
 import pytest
-import torch
 
-
-def _gpu_ready() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "no CUDA GPU on this machine (run `make gpu-test` on the GPU host)"
-    major, _ = torch.cuda.get_device_capability()
-    if major != 9:
-        return False, f"the sm90 kernels need a Hopper GPU, found sm_{major}x"
-    try:
-        import triton.language.extra.tlx  # noqa: F401
-    except Exception as exc:  # pragma: no cover - depends on the host
-        return False, f"TLX is not importable: {exc}"
-    return True, ""
+from jfa.envinfo import gpu_status
 
 
 def pytest_collection_modifyitems(config, items):
-    ok, why = _gpu_ready()
+    ok, why = gpu_status()
     if ok:
         return
-    skip = pytest.mark.skip(reason=why)
+    skip = pytest.mark.skip(reason=f"{why} (run `make gpu-test` on the GPU host)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
