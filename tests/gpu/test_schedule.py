@@ -1,0 +1,126 @@
+"""`jfa.schedule` on a GPU: the Triton builders against the torch builders, and what a rebuild costs.
+
+The equality check runs the public builders twice on the same random offsets: on CUDA tensors
+(the Triton launches) and on CPU copies (the torch ops, the reference). Before each CUDA build the
+caching allocator is handed back poisoned memory, so a slot the builder forgot to write would
+differ from the reference rather than happen to hold the right stale value.
+"""
+import itertools
+
+import pytest
+import torch
+import triton
+
+from jfa import schedule, specs
+from jfa.jagged import gem_lengths
+
+pytestmark = pytest.mark.gpu
+
+LENGTH_EDGES = (0, 1, 63, 64, 65, 127, 128, 129)
+MAX_LENGTHS = (64, 256, 1024, 4096)
+WINDOWS = (None, 0, 37, 300)
+RANDOM_SETS = 150
+BUILD_BUDGET_MS = 0.1  # the forward's rebuild, GEM L=256 s=0.5, B=1152 (it was 0.3-0.95 ms)
+POISON = -0x2A2A2A2A
+
+
+def _poison_allocator() -> None:
+    """Fill and free blocks of both allocator pools, so the next torch.empty returns poison."""
+    for elements in (1 << 16, 1 << 22):  # small pool (< 1 MB) and large pool
+        torch.full((elements,), POISON, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+
+
+def _random_lengths(gen: torch.Generator, batch: int, max_len: int) -> list[int]:
+    edges = [e for e in LENGTH_EDGES if e <= max_len] + [max_len]
+    picks = torch.randint(0, len(edges), (batch,), generator=gen)
+    uniform = torch.randint(0, max_len + 1, (batch,), generator=gen)
+    use_edge = torch.rand(batch, generator=gen) < 0.3
+    return torch.where(use_edge, torch.tensor(edges)[picks], uniform).tolist()
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+
+
+def _assert_equal(got, expected, case):
+    for g, e in zip(got, expected):
+        assert g.is_cuda and g.dtype == e.dtype == torch.int32 and g.shape == e.shape, case
+        assert torch.equal(g.cpu(), e), case
+
+
+def _pick(gen, options):
+    return options[int(torch.randint(0, len(options), (1,), generator=gen))]
+
+
+def test_device_builders_equal_torch_builders():
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(RANDOM_SETS):
+        max_len = _pick(gen, MAX_LENGTHS)
+        batch = int(torch.randint(1, 2049, (1,), generator=gen))
+        broadcast_q = bool(torch.randint(0, 2, (1,), generator=gen))
+        kv_lens = _random_lengths(gen, batch, max_len)
+        q_lens = [max(1, n) for n in _random_lengths(gen, 1, max_len)] if broadcast_q else \
+            _random_lengths(gen, batch, max_len)
+        causal, window = bool(torch.randint(0, 2, (1,), generator=gen)), _pick(gen, WINDOWS)
+        block_m, block_n = _pick(gen, (64, 128)), _pick(gen, (64, 128))
+        max_q, max_kv = max(q_lens), max(kv_lens)
+        case = dict(batch=batch, max_len=max_len, broadcast_q=broadcast_q, causal=causal,
+                    window=window, block_m=block_m, block_n=block_n)
+        q_cpu, kv_cpu = _offsets(q_lens), _offsets(kv_lens)
+        q_dev, kv_dev = q_cpu.cuda(), kv_cpu.cuda()
+
+        fwd = dict(max_seq_len_q=max_q, block_m=block_m, block_n=block_n, causal=causal,
+                   window=window, broadcast_q=broadcast_q, max_seq_len_kv=max_kv)
+        _poison_allocator()
+        got = schedule.build_tile_schedule(q_dev, kv_dev, **fwd)
+        expected = schedule.build_tile_schedule(q_cpu, kv_cpu, **fwd)
+        _assert_equal((got.entries, got.num_entries), (expected.entries, expected.num_entries), case)
+        assert (got.q_blocks_per_seq, got.max_entries) == (expected.q_blocks_per_seq,
+                                                           expected.max_entries)
+
+        bwd = dict(max_seq_len_kv=max_kv, broadcast_q_len=q_lens[0] if broadcast_q else 0,
+                   block_m=block_m, block_n=block_n, causal=causal, window=window,
+                   max_seq_len_q=max_q)
+        _poison_allocator()
+        got = schedule.build_kv_tile_schedule(q_dev, kv_dev, **bwd)
+        expected = schedule.build_kv_tile_schedule(q_cpu, kv_cpu, **bwd)
+        _assert_equal((got.entries, got.num_entries), (expected.entries, expected.num_entries), case)
+
+        _poison_allocator()
+        _assert_equal(schedule.build_block_table(kv_dev, sum(kv_lens)),
+                      schedule.block_table_torch(kv_cpu, sum(kv_lens)), case)
+
+
+def _median_build_ms(build) -> float:
+    def rebuild():
+        schedule.clear_cache()
+        build()
+    return triton.testing.do_bench(rebuild, warmup=specs.BENCH_WARMUP_MS, rep=specs.BENCH_REP_MS,
+                                   return_mode="median")
+
+
+def test_gem_rebuild_time():
+    """Rebuilding the lists for GEM L=256 s=0.5, B=1152: the forward's must stay under 0.1 ms."""
+    from jfa.kernels import jagged_fwd
+
+    lengths = gem_lengths(specs.GEM_BATCH, 256, 0.5, seed=specs.BENCH_SEED).tolist()
+    offsets = _offsets(lengths).cuda()
+    longest = max(lengths)
+    pairing = jagged_fwd.heads_per_tile(longest, specs.GEM_HEADS)
+    block_n = jagged_fwd.kernel_config(specs.GEM_HEAD_DIM, torch.bfloat16,
+                                       heads_per_tile=pairing)["BLOCK_N"]
+    fwd_ms = _median_build_ms(lambda: schedule.build_tile_schedule(
+        offsets, offsets, max_seq_len_q=longest, block_m=jagged_fwd.tile_rows(pairing),
+        block_n=block_n, causal=False, window=None, broadcast_q=False, max_seq_len_kv=longest))
+    bwd_ms = _median_build_ms(lambda: schedule.build_kv_tile_schedule(
+        offsets, offsets, max_seq_len_kv=longest, broadcast_q_len=0, block_m=64, block_n=128,
+        causal=False, window=None, max_seq_len_q=longest))
+    table_ms = _median_build_ms(lambda: schedule.build_block_table(offsets, sum(lengths)))
+    torch_ms = _median_build_ms(lambda: schedule.build_tile_schedule(
+        offsets, offsets, max_seq_len_q=longest, block_m=jagged_fwd.tile_rows(pairing),
+        block_n=block_n, causal=False, window=None, broadcast_q=False))
+    print(f"\nschedule rebuild, GEM L=256 s=0.5 B={specs.GEM_BATCH} (do_bench median): "
+          f"fwd {fwd_ms * 1e3:.1f} us (torch ops {torch_ms * 1e3:.1f} us), "
+          f"bwd {bwd_ms * 1e3:.1f} us, block table {table_ms * 1e3:.1f} us")
+    assert fwd_ms < BUILD_BUDGET_MS
