@@ -736,3 +736,73 @@ def gem_sweep_panel():
         return tflops_bar(chosen, suite="gem", pass_=pass_,
                           title=f"B={batch} H={heads} D={head_dim} {case}: {pass_} TFLOP/s")
     return panel(controls, render)
+
+
+# ==== notebook 04: the backward =================================================================
+FLOPS_PER_MULTIPLY_ADD = 2
+
+
+def recompute_vs_store(q_lens, kv_lens, heads: int, head_dim: int, *, p_element_bytes: int,
+                       lse_element_bytes: int) -> dict:
+    """What keeping P for the backward would cost, against what the backward keeps instead (the LSE).
+
+    Storing P means writing `heads * sum(lq * lk)` probabilities in the forward and reading them
+    back in the backward, at best at the copy bandwidth; recomputing it costs one QK^T GEMM
+    (2 * head_dim FLOPs per visible pair and head), at best at the GEMM peak. Both floors use the
+    H200 ceilings of `jfa.specs`, so the comparison is of lower bounds, like for like.
+    """
+    from jfa.specs import H200_BF16_GEMM_TFLOPS, H200_COPY_TBPS, attention_pairs
+
+    for name, value in (("heads", heads), ("head_dim", head_dim), ("p_element_bytes", p_element_bytes),
+                        ("lse_element_bytes", lse_element_bytes)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    pairs = attention_pairs(q_lens, kv_lens)
+    rows = sum(int(n) for n in q_lens)
+    p_bytes = pairs * heads * p_element_bytes
+    lse_bytes = rows * heads * lse_element_bytes
+    recompute_flops = FLOPS_PER_MULTIPLY_ADD * head_dim * pairs * heads
+    return dict(rows=rows, pairs=pairs, p_bytes=p_bytes, lse_bytes=lse_bytes,
+                p_over_lse=p_bytes / lse_bytes if lse_bytes else float("nan"),
+                store_ms=2 * p_bytes / (H200_COPY_TBPS * 1e12) * 1e3,  # written once, read once
+                recompute_ms=recompute_flops / (H200_BF16_GEMM_TFLOPS * 1e12) * 1e3)
+
+
+BWD_TIMING_PATTERN = "bwd-timing-*.json"
+# The dQ strategies of jfa.kernels.jagged_bwd (its DQ_MODES), labeled for tables and legends.
+DQ_STRATEGY_LABELS = {
+    "separate": "jfa, dQ separate kernel (deterministic)",
+    "atomic": "jfa, dQ fused: fp32 atomics",
+    "tma_reduce": "jfa, dQ fused: TMA reduce-add",
+}
+# The first development run (commit 382af7b) had two columns: `bwd_ms`, the default of that time
+# (the fused fp32-atomic dQ), and `bwd_deterministic_ms` (the separate dQ kernel). Later runs of
+# scripts/dev_bwd_gpu.sh write one `bwd_<dq_mode>_ms` column per strategy.
+_FIRST_RUN_DQ_COLUMNS = {"bwd_ms": "atomic", "bwd_deterministic_ms": "separate"}
+
+
+def dq_strategy_rows(doc: dict) -> list[dict]:
+    """A bwd-timing file's backward timings as jfa.bench rows: one per case and dQ strategy.
+
+    The file's case "gem L=256,s=0.5" becomes suite "gem", case "L=256,s=0.5" (the bench suites'
+    names), and the provider is the strategy's label, so jfa.plots draws them next to the peers.
+    """
+    rows = []
+    for timing in doc.get("rows", []):
+        suite, _, case = timing["case"].partition(" ")
+        columns = {f"bwd_{mode}_ms": mode for mode in DQ_STRATEGY_LABELS if f"bwd_{mode}_ms" in timing}
+        for column, mode in (columns or _FIRST_RUN_DQ_COLUMNS).items():
+            if timing.get(column) is None:
+                continue
+            rows.append({"suite": suite, "case": case, "provider": DQ_STRATEGY_LABELS[mode], "pass": "bwd",
+                         "ms": timing[column], "tflops": timing.get(column.replace("_ms", "_tflops")), "ok": True,
+                         "error": None, "params": {"dq_mode": mode}})
+    return rows
+
+
+def recording_line(rec: Recorded) -> str:
+    """Every environment fact of a recording, untruncated (its commit may carry a note)."""
+    where = rec.path.relative_to(REPO_ROOT) if rec.path.is_relative_to(REPO_ROOT) else rec.path
+    facts = ", ".join(f"{key} {value}" for key, value in rec.env.items() if value is not None)
+    source = f"; source: {rec.doc['source']}" if rec.doc.get("source") else ""
+    return f"recorded run ({where}): {facts}{source}"

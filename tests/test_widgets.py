@@ -190,3 +190,56 @@ def test_budget_panel_shows_invalid_configurations_instead_of_raising():
     pytest.importorskip("ipywidgets")
     refresh = jw.budget_panel(block_m=64, consumer_groups=1)
     assert "shared memory" in refresh().text
+
+
+# ---- notebook 04: the backward ------------------------------------------------------------------
+def test_recompute_vs_store_counts_bytes_and_floors_by_hand():
+    from jfa.specs import H200_BF16_GEMM_TFLOPS, H200_COPY_TBPS
+
+    got = jw.recompute_vs_store([3, 5], [4, 2], heads=2, head_dim=8, p_element_bytes=2, lse_element_bytes=4)
+    pairs = 3 * 4 + 5 * 2
+    assert got["rows"] == 8 and got["pairs"] == pairs
+    assert got["p_bytes"] == pairs * 2 * 2 and got["lse_bytes"] == 8 * 2 * 4
+    assert got["p_over_lse"] == pytest.approx(pairs * 4 / 64)
+    assert got["store_ms"] == pytest.approx(2 * pairs * 4 / (H200_COPY_TBPS * 1e12) * 1e3)
+    assert got["recompute_ms"] == pytest.approx(2 * 8 * pairs * 2 / (H200_BF16_GEMM_TFLOPS * 1e12) * 1e3)
+
+
+@pytest.mark.parametrize("name", ["heads", "head_dim", "p_element_bytes", "lse_element_bytes"])
+def test_recompute_vs_store_rejects_bad_sizes_by_name(name):
+    kwargs = dict(heads=1, head_dim=8, p_element_bytes=2, lse_element_bytes=4)
+    kwargs[name] = 0
+    with pytest.raises(ValueError, match=name):
+        jw.recompute_vs_store([1], [1], **kwargs)
+
+
+def test_dq_strategy_labels_name_exactly_the_kernels_dq_modes():
+    from jfa.kernels.jagged_bwd import DQ_MODES
+
+    assert set(jw.DQ_STRATEGY_LABELS) == set(DQ_MODES)
+
+
+def test_dq_strategy_rows_reads_the_per_mode_columns():
+    doc = {"rows": [{"case": "gem L=256,s=0.5", "bwd_separate_ms": 1.5, "bwd_separate_tflops": 100.0,
+                     "bwd_tma_reduce_ms": 2.5, "bwd_tma_reduce_tflops": 60.0, "fwd_ms": 0.3}]}
+    rows = jw.dq_strategy_rows(doc)
+    assert [(r["suite"], r["case"], r["params"]["dq_mode"], r["ms"], r["tflops"]) for r in rows] == [
+        ("gem", "L=256,s=0.5", "separate", 1.5, 100.0), ("gem", "L=256,s=0.5", "tma_reduce", 2.5, 60.0)]
+    assert all(r["pass"] == "bwd" and r["ok"] and r["provider"] == jw.DQ_STRATEGY_LABELS[r["params"]["dq_mode"]]
+               for r in rows)
+
+
+def test_dq_strategy_rows_maps_the_first_runs_columns():
+    doc = {"rows": [{"case": "pma q=64,kv<=2048", "bwd_ms": 5.0, "bwd_tflops": 75.0, "bwd_deterministic_ms": 3.0,
+                     "bwd_deterministic_tflops": 117.0, "bcast_dq_reduce_ms": 0.01}]}
+    got = {r["params"]["dq_mode"]: (r["suite"], r["case"], r["ms"], r["tflops"]) for r in jw.dq_strategy_rows(doc)}
+    assert got == {"atomic": ("pma", "q=64,kv<=2048", 5.0, 75.0), "separate": ("pma", "q=64,kv<=2048", 3.0, 117.0)}
+
+
+def test_the_committed_bwd_timing_recording_is_labeled():
+    rec = jw.newest_recorded(jw.BWD_TIMING_PATTERN)
+    assert rec is not None and not rec.is_fixture
+    assert rec.env["gpu"] == "NVIDIA H200" and rec.env["commit"] and rec.env["date"] and rec.doc["source"]
+    line = jw.recording_line(rec)
+    assert rec.env["commit"] in line and rec.doc["source"] in line
+    assert jw.dq_strategy_rows(rec.doc), "no timing rows in the recording"
