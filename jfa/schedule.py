@@ -285,7 +285,7 @@ def sort_entries_by_work_triton(q_offsets: torch.Tensor, kv_offsets: torch.Tenso
     _bin_entries_kernel[(num_chunks,)](
         q_offsets, kv_offsets, bins, counts, num_entries, blocks_per_seq, broadcast_q_len or 0,
         0 if window is None else window, max_work, num_bins,
-        ENTRIES=FWD_ENTRIES if entries == "fwd" else BWD_ENTRIES, CHUNK=chunk, BINS=BIN_BLOCK,
+        ENTRIES=(FWD_ENTRIES if entries == "fwd" else BWD_ENTRIES).value, CHUNK=chunk, BINS=BIN_BLOCK,
         num_warps=SORT_WARPS, **flags)
     _scatter_entries_kernel[(num_chunks,)](
         bins, counts, sorted_entries, num_real, num_entries, num_chunks, num_bins, CHUNK=chunk,
@@ -389,18 +389,19 @@ def _block_table_kernel(offsets_ptr, block_start_ptr, block_rows_ptr, num_blocks
 
     A program finds where its blocks start by summing the block counts of all earlier sequences
     itself (a few loads per earlier chunk), so one launch suffices and no scan crosses programs.
+    Offsets may be int32 or int64; rows fit int32 (the kernels index them so), so math is int32.
     """
     chunk = tl.program_id(0)
     first_seq = chunk * SEQS
     blocks_before = 0
     for seq0 in range(0, first_seq, SEQS):
         seq = seq0 + tl.arange(0, SEQS)
-        lens = tl.load(offsets_ptr + seq + 1) - tl.load(offsets_ptr + seq)  # all < first_seq
-        blocks_before += tl.sum(tl.cdiv(lens, BLOCK), axis=0)
+        lens = (tl.load(offsets_ptr + seq + 1) - tl.load(offsets_ptr + seq)).to(tl.int32)
+        blocks_before += tl.sum(tl.cdiv(lens, BLOCK), axis=0)  # every seq < first_seq is real
     seq = first_seq + tl.arange(0, SEQS)
     ok = seq < num_seqs
-    seq_start = tl.load(offsets_ptr + seq, mask=ok, other=0)
-    lens = tl.load(offsets_ptr + seq + 1, mask=ok, other=0) - seq_start
+    seq_start = tl.load(offsets_ptr + seq, mask=ok, other=0).to(tl.int32)
+    lens = tl.load(offsets_ptr + seq + 1, mask=ok, other=0).to(tl.int32) - seq_start
     blocks = tl.cdiv(lens, BLOCK)
     first_block = blocks_before + tl.cumsum(blocks, axis=0) - blocks
     for block in range(0, tl.max(blocks, axis=0)):
@@ -413,8 +414,8 @@ def _block_table_kernel(offsets_ptr, block_start_ptr, block_rows_ptr, num_blocks
         # build's index arithmetic does; the kernels never read them.
         num_blocks = blocks_before + tl.sum(blocks, axis=0)
         tl.store(num_blocks_ptr, num_blocks)
-        last_start = tl.load(offsets_ptr + num_seqs - 1)
-        end = tl.load(offsets_ptr + num_seqs)
+        last_start = tl.load(offsets_ptr + num_seqs - 1).to(tl.int32)
+        end = tl.load(offsets_ptr + num_seqs).to(tl.int32)
         last_first_block = num_blocks - tl.cdiv(end - last_start, BLOCK)
         for slot0 in range(num_blocks, capacity, SEQS):
             slot = slot0 + tl.arange(0, SEQS)

@@ -42,8 +42,13 @@ def random_lengths(gen: torch.Generator, batch: int, max_len: int) -> list[int]:
             for k in kind]
 
 
-def to_offsets(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+def to_offsets(lengths: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=dtype)
+
+
+def _offset_dtype(gen: torch.Generator) -> torch.dtype:
+    """Offsets may be int32 or int64 (both are accepted by the APIs)."""
+    return _pick(gen, (torch.int32, torch.int64))
 
 
 def _pick(gen: torch.Generator, options):
@@ -95,8 +100,9 @@ def check_forward(cases: int, seed: int) -> int:
         work = schedule.kv_tiles_per_entry(q_len_per_seq, torch.tensor(kv_lens), blocks,
                                            block_m=block_m, block_n=block_n, causal=causal,
                                            window=window)
+        dtype = _offset_dtype(gen)
         got = schedule.sort_entries_by_work_triton(
-            to_offsets(q_lens), to_offsets(kv_lens), entries="fwd", blocks_per_seq=blocks,
+            to_offsets(q_lens, dtype), to_offsets(kv_lens, dtype), entries="fwd", blocks_per_seq=blocks,
             max_work=triton.cdiv(max_kv, block_n), broadcast_q_len=max_q if broadcast_q else None,
             block_m=block_m, block_n=block_n, causal=causal, window=window,
             chunk=_programs_per_launch(gen, work.numel(), CHUNKS))
@@ -124,8 +130,9 @@ def check_backward(cases: int, seed: int) -> int:
         work = schedule.q_blocks_per_kv_tile(q_len_per_seq, torch.tensor(kv_lens), blocks,
                                              block_m=block_m, block_n=block_n, causal=causal,
                                              window=window)
+        dtype = _offset_dtype(gen)
         got = schedule.sort_entries_by_work_triton(
-            to_offsets(q_lens), to_offsets(kv_lens), entries="bwd", blocks_per_seq=blocks,
+            to_offsets(q_lens, dtype), to_offsets(kv_lens, dtype), entries="bwd", blocks_per_seq=blocks,
             max_work=triton.cdiv(q_lens[0] if broadcast_q else max_q, block_m),
             broadcast_q_len=q_lens[0] if broadcast_q else None, block_m=block_m, block_n=block_n,
             causal=causal, window=window, chunk=_programs_per_launch(gen, work.numel(), CHUNKS))
@@ -140,7 +147,7 @@ def check_block_table(cases: int, seed: int) -> int:
         max_len = _pick(gen, MAX_LENGTHS)
         lengths = random_lengths(gen, int(torch.randint(1, 40, (1,), generator=gen)), max_len)
         total_rows = sum(lengths) + _slack(gen)
-        offsets = to_offsets(lengths)
+        offsets = to_offsets(lengths, _offset_dtype(gen))
         got = schedule.block_table_triton(
             offsets, total_rows, seqs_per_program=_programs_per_launch(gen, len(lengths), TABLE_CHUNKS))
         _assert_same_list(got, schedule.block_table_torch(offsets, total_rows),
@@ -188,9 +195,9 @@ def check_many_programs(cases: int, seed: int) -> int:
     return cases
 
 
-# (check, offset sets, seed): ~40 ms per set in the interpreter, so ~1300 sets take ~60 CPU seconds;
+# (check, offset sets, seed): ~40 ms per set in the interpreter, so ~1000 sets take ~50 CPU seconds;
 # the checks run as concurrent subprocesses.
-INTERPRETER_CHECKS = (("check_forward", 500, 1), ("check_backward", 400, 2), ("check_block_table", 400, 3),
+INTERPRETER_CHECKS = (("check_forward", 400, 1), ("check_backward", 300, 2), ("check_block_table", 300, 3),
                       ("check_too_small_bound", 20, 4), ("check_many_programs", 2, 5))
 
 
@@ -221,8 +228,10 @@ def test_kernels_compile_for_hopper():
         constexprs = dict(ENTRIES=entries, BLOCK_M=64, BLOCK_N=128, CAUSAL=causal,
                           HAS_WINDOW=has_window, BROADCAST_Q=broadcast_q,
                           CHUNK=schedule.SORT_CHUNK, BINS=schedule.BIN_BLOCK)
+        offsets_type = "*i64" if causal else "*i32"  # both offset dtypes, without doubling the count
         signature = {**{p: "*i32" for p in pointers}, **{s: "i32" for s in scalars},
-                     **{c: "constexpr" for c in constexprs}}
+                     **{c: "constexpr" for c in constexprs},
+                     "q_offsets_ptr": offsets_type, "kv_offsets_ptr": offsets_type}
         triton.compile(ASTSource(fn=schedule._bin_entries_kernel, signature=signature,
                                  constexprs=constexprs), target=target, options=options)
     constexprs = dict(CHUNK=schedule.SORT_CHUNK, BINS=schedule.BIN_BLOCK, CHUNKS=schedule.CHUNK_BLOCK)
@@ -232,11 +241,12 @@ def test_kernels_compile_for_hopper():
     triton.compile(ASTSource(fn=schedule._scatter_entries_kernel, signature=signature,
                              constexprs=constexprs), target=target, options=options)
     constexprs = dict(BLOCK=64, SEQS=schedule.TABLE_CHUNK)
-    signature = dict(offsets_ptr="*i32", block_start_ptr="*i32", block_rows_ptr="*i32",
-                     num_blocks_ptr="*i32", num_seqs="i32", capacity="i32",
-                     **{c: "constexpr" for c in constexprs})
-    triton.compile(ASTSource(fn=schedule._block_table_kernel, signature=signature,
-                             constexprs=constexprs), target=target, options=options)
+    for offsets_type in ("*i32", "*i64"):
+        signature = dict(offsets_ptr=offsets_type, block_start_ptr="*i32", block_rows_ptr="*i32",
+                         num_blocks_ptr="*i32", num_seqs="i32", capacity="i32",
+                         **{c: "constexpr" for c in constexprs})
+        triton.compile(ASTSource(fn=schedule._block_table_kernel, signature=signature,
+                                 constexprs=constexprs), target=target, options=options)
 
 
 def test_cpu_offsets_build_with_torch_and_are_cached():
