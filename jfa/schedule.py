@@ -190,8 +190,16 @@ def _bwd_entry_work(q_len, kv_len, kv_block, window, BLOCK_M: tl.constexpr, BLOC
 # chunk's count per bin; launch 2 places entry i of chunk c, bin b at
 #     (entries in bins < b) + (entries of bin b in chunks < c) + (entries of bin b before i in c),
 # which is exactly where a stable descending sort puts it.
+#
+# Sizes and pointers change from one call to the next (and the scratch lives at odd offsets of one
+# buffer): specializing on their value (== 1, divisible by 16) would recompile for nothing.
+_SORT_RUNTIME_ARGS = ("q_offsets_ptr", "kv_offsets_ptr", "bins_ptr", "counts_ptr", "entries_ptr",
+                      "num_real_ptr", "num_entries", "blocks_per_seq", "broadcast_q_len", "window",
+                      "max_work", "num_bins", "num_chunks")
+_TABLE_RUNTIME_ARGS = ("offsets_ptr", "block_start_ptr", "block_rows_ptr", "num_blocks_ptr",
+                       "num_seqs", "capacity")
 
-@triton.jit
+@triton.jit(do_not_specialize=_SORT_RUNTIME_ARGS, do_not_specialize_on_alignment=_SORT_RUNTIME_ARGS)
 def _bin_entries_kernel(q_offsets_ptr, kv_offsets_ptr, bins_ptr, counts_ptr, num_entries,
                         blocks_per_seq, broadcast_q_len, window, max_work, num_bins,
                         ENTRIES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -220,7 +228,7 @@ def _bin_entries_kernel(q_offsets_ptr, kv_offsets_ptr, bins_ptr, counts_ptr, num
         tl.store(counts_ptr + chunk * num_bins + bin_ids, counts, mask=bin_ids < num_bins)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SORT_RUNTIME_ARGS, do_not_specialize_on_alignment=_SORT_RUNTIME_ARGS)
 def _scatter_entries_kernel(bins_ptr, counts_ptr, entries_ptr, num_real_ptr, num_entries,
                             num_chunks, num_bins, CHUNK: tl.constexpr, BINS: tl.constexpr,
                             CHUNKS: tl.constexpr):
@@ -382,7 +390,7 @@ def build_kv_tile_schedule(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, *,
 
 # ---- block attention's block table --------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=_TABLE_RUNTIME_ARGS, do_not_specialize_on_alignment=_TABLE_RUNTIME_ARGS)
 def _block_table_kernel(offsets_ptr, block_start_ptr, block_rows_ptr, num_blocks_ptr, num_seqs,
                         capacity, BLOCK: tl.constexpr, SEQS: tl.constexpr):
     """One program per chunk of sequences writes its sequences' blocks; the last one the rest.
