@@ -71,8 +71,8 @@ def bench(q_lens, kv_lens, heads, head_dim, broadcast_q=False):
     ms = triton.testing.do_bench(run, warmup=specs.BENCH_WARMUP_MS, rep=specs.BENCH_REP_MS, return_mode="median")
     def build():
         clear_cache()
-        build_tile_schedule(q_off, kv_off, max_seq_len_q=max(q_lens), block_m=128, block_n=128,
-                            causal=False, window=None, broadcast_q=broadcast_q)
+        build_tile_schedule(q_off, kv_off, max_seq_len_q=max(q_lens), max_seq_len_kv=max(kv_lens),
+                            block_m=128, block_n=128, causal=False, window=None, broadcast_q=broadcast_q)
     sched_ms = triton.testing.do_bench(build, warmup=5, rep=20, return_mode="median")
     flops = specs.attention_flops([q_lens[0]] * len(kv_lens) if broadcast_q else q_lens, kv_lens, heads, head_dim)
     return ms, sched_ms, specs.tflops(flops, ms)
