@@ -9,7 +9,7 @@
 # Run from the repository root (on the GPU host: `source .gpu-bundle/activate.sh` first). Racecheck
 # flags Triton's warp-specialization preamble (setmaxnreg bookkeeping bytes written before and read
 # after a CTA-wide bar.sync), not kernel code: see the SASS at the reported offsets.
-# Logs and the timing JSON go to $OUT (default ./out/bwd).
+# Logs and the timing JSON go to $OUT (default ./out/bwd). SKIP_TESTS=1 skips step 2.
 set -uo pipefail
 OUT=${OUT:-out/bwd}
 mkdir -p "$OUT"
@@ -63,6 +63,7 @@ for i in "${!CONFIGS[@]}"; do
   else echo "FAIL or TIMEOUT ${CONFIGS[$i]}:"; tail -15 "$SCRATCH/warm_$i.log"; status=1; fi
 done 2>&1 | tee "$OUT/warmup.log"
 
+if [ "${SKIP_TESTS:-0}" = 1 ]; then echo "== gpu tests skipped (SKIP_TESTS=1)"; else
 for group in "self_attention or is_supported" "cross_attention or broadcast_q" "fused_dq_modes" \
              "deterministic or large_logits or public_api or torch_compile"; do
   echo "== gpu tests: $group"
@@ -70,6 +71,7 @@ for group in "self_attention or is_supported" "cross_attention or broadcast_q" "
     | tee -a "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|Error|assert|relative error|passed|failed" | head -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+fi
 
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 cat > "$SCRATCH/tiny_case.py" <<'PY'
