@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jfa import specs
+from jfa import schedule as tile_schedule, specs
 from jfa.kernels import jagged_bwd
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -160,7 +160,7 @@ def test_query_block_ranges_cover_exactly_the_visible_queries(causal, window):
     q_lens[:4] = torch.tensor([0, 1, 129, 300])
     kv_lens[:4] = torch.tensor([5, 0, 64, 40])
     kv_blocks = -(-int(kv_lens.max()) // block_n)
-    blocks = jagged_bwd.q_blocks_per_kv_tile(q_lens, kv_lens, kv_blocks, block_m=block_m, block_n=block_n,
+    blocks = tile_schedule.q_blocks_per_kv_tile(q_lens, kv_lens, kv_blocks, block_m=block_m, block_n=block_n,
                                              causal=causal, window=window)
     for b in range(len(q_lens)):
         lq, lk = int(q_lens[b]), int(kv_lens[b])
@@ -181,8 +181,8 @@ def test_schedule_keeps_idle_tiles_and_sorts_longest_first():
     """Tiles no query sees stay in the list (their dK/dV rows must be zeroed); longest run first."""
     q_offsets = torch.tensor([0, 0, 300, 301], dtype=torch.int32)  # sequence 0 has no queries
     kv_offsets = torch.tensor([0, 200, 500, 501], dtype=torch.int32)
-    schedule = jagged_bwd.build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=300, broadcast_q_len=0,
-                                                 block_m=64, block_n=128, causal=False, window=None)
+    schedule = tile_schedule.build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=300, broadcast_q_len=0,
+                                                    block_m=64, block_n=128, causal=False, window=None)
     assert schedule.kv_blocks_per_seq == 3
     assert schedule.num_entries.tolist() == [2 + 3 + 1]
     real = schedule.entries[:6].tolist()
@@ -193,9 +193,9 @@ def test_schedule_keeps_idle_tiles_and_sorts_longest_first():
 
 def test_broadcast_q_schedule_uses_the_shared_query_length():
     kv_offsets = torch.tensor([0, 10, 900], dtype=torch.int32)
-    schedule = jagged_bwd.build_kv_tile_schedule(torch.tensor([0, 256], dtype=torch.int32), kv_offsets,
-                                                 max_seq_len_kv=890, broadcast_q_len=256, block_m=64,
-                                                 block_n=128, causal=False, window=None)
+    schedule = tile_schedule.build_kv_tile_schedule(torch.tensor([0, 256], dtype=torch.int32), kv_offsets,
+                                                    max_seq_len_kv=890, broadcast_q_len=256, block_m=64,
+                                                    block_n=128, causal=False, window=None)
     assert schedule.num_entries.tolist() == [1 + 7]
     assert schedule.max_entries == 2 * 7
 

@@ -44,7 +44,6 @@ are never touched.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,6 +53,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.kernels.common import LOG2E, ring_slot, visible_mask
+from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
 DQ_SEPARATE: tl.constexpr = tl.constexpr(0)  # query-stationary `_dq_kernel`: no atomics, deterministic
@@ -421,64 +421,6 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offset
         tl.store(out_ptrs, (acc * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# ---- host side: schedule -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class KVTileSchedule:
-    """The backward's tile list: `entries[i] = seq * kv_blocks_per_seq + kv_block`, real ones first.
-
-    `num_entries` (int32, one element, on the device) counts the real entries; `max_entries` is its
-    host-known bound, which sizes the persistent grid. Tile t is entry t // Hkv, KV head t % Hkv.
-    """
-
-    entries: torch.Tensor
-    num_entries: torch.Tensor
-    kv_blocks_per_seq: int
-    max_entries: int
-
-
-def q_blocks_per_kv_tile(q_lens: torch.Tensor, kv_lens: torch.Tensor, kv_blocks_per_seq: int, *,
-                         block_m: int, block_n: int, causal: bool, window: int | None) -> torch.Tensor:
-    """Query blocks each (sequence, KV block) visits, [B, kv_blocks_per_seq]; -1 past the end.
-
-    The same range arithmetic as the kernel's `_kv_tile_geometry`, vectorized (int64).
-    """
-    q_lens = q_lens.to(torch.int64)[:, None]
-    kv_lens = kv_lens.to(torch.int64)[:, None]
-    col0 = torch.arange(kv_blocks_per_seq, device=q_lens.device, dtype=torch.int64)[None, :] * block_n
-    col_last = torch.minimum(col0 + block_n, kv_lens) - 1
-    q_lo = torch.zeros_like(col_last)
-    q_hi = q_lens.expand_as(col_last)
-    if causal:
-        q_lo = torch.maximum(q_lo, col0 - (kv_lens - q_lens))
-    if window is not None:
-        q_lo = torch.maximum(q_lo, col0 - window)
-        q_hi = torch.minimum(q_hi, col_last + window + 1)
-    first_row = torch.div(q_lo, block_m, rounding_mode="floor") * block_m
-    blocks = torch.where(q_hi > q_lo, (q_hi - first_row + block_m - 1) // block_m, 0)
-    return torch.where(col0 < kv_lens, blocks, -1)
-
-
-def build_kv_tile_schedule(q_offsets: torch.Tensor, kv_offsets: torch.Tensor, *, max_seq_len_kv: int,
-                           broadcast_q_len: int, block_m: int, block_n: int, causal: bool,
-                           window: int | None) -> KVTileSchedule:
-    """KV tiles sorted by query work, longest first, built with device ops (no GPU->CPU sync).
-
-    The forward's `jfa.schedule` orders query blocks by the keys they visit; the backward needs the
-    transpose (KV blocks by the queries that see them), whose causal bound runs the other way.
-    Tiles with no work stay in the list: their dK and dV rows must still be written (as zeros).
-    """
-    kv_blocks_per_seq = max(1, -(-max_seq_len_kv // block_n))
-    kv_lens = kv_offsets[1:] - kv_offsets[:-1]
-    q_lens = torch.full_like(kv_lens, broadcast_q_len) if broadcast_q_len else q_offsets[1:] - q_offsets[:-1]
-    work = q_blocks_per_kv_tile(q_lens, kv_lens, kv_blocks_per_seq, block_m=block_m, block_n=block_n,
-                                causal=causal, window=window)
-    order = torch.argsort(work.reshape(-1), descending=True, stable=True)
-    num_entries = (work >= 0).sum().reshape(1)
-    return KVTileSchedule(entries=order.to(torch.int32), num_entries=num_entries.to(torch.int32),
-                          kv_blocks_per_seq=kv_blocks_per_seq, max_entries=work.numel())
-
-
 # ---- host side: configuration, inspection, launch ----------------------------------------------
 
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -615,7 +557,8 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     fused_dq = dq_mode != "separate"
     schedule = build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=max_seq_len_kv,
                                       broadcast_q_len=broadcast_q_len, block_m=config["BLOCK_M"],
-                                      block_n=config["BLOCK_N"], causal=causal, window=window)
+                                      block_n=config["BLOCK_N"], causal=causal, window=window,
+                                      max_seq_len_q=max_seq_len_q)
     max_tiles = schedule.max_entries * kv_heads
     grid = (max(1, min(torch.cuda.get_device_properties(q.device).multi_processor_count, max_tiles)),)
     row_width = q_heads * head_dim
