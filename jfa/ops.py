@@ -94,11 +94,13 @@ def _window_or_none(window: int) -> int | None:
 @torch.library.custom_op("jfa::jagged_attention_fwd", mutates_args=())
 def jagged_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
                          max_seq_len_q: int, max_seq_len_kv: int, sm_scale: float, causal: bool, window: int,
-                         broadcast_q: bool) -> tuple[Tensor, Tensor]:
+                         broadcast_q: bool, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Jagged attention forward -> (out [Tq_out, Hq, D] in q's dtype, lse float32 [Hq, Tq_out]).
 
     Inputs are already validated (`jfa.jagged.validate_jagged_attention`); window -1 means none,
-    max_seq_len -1 means "compute from the offsets". This default implementation is the reference.
+    max_seq_len -1 means "compute from the offsets". `deterministic` is for the backward (the
+    forward always is); it rides here so autograd hands it over. This default implementation is
+    the reference.
     """
     _warn_once(f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
     return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
@@ -112,7 +114,7 @@ def _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, bro
 
 @jagged_attention_fwd.register_kernel("cuda")
 def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
-                               window, broadcast_q):
+                               window, broadcast_q, deterministic=False):
     why = _why_not_kernel("jagged_fwd", q, k, v)
     if why is not None:
         _warn_once(why)
@@ -128,7 +130,7 @@ def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
 
 @jagged_attention_fwd.register_fake
 def _jagged_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
-                               window, broadcast_q):
+                               window, broadcast_q, deterministic=False):
     out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty(out_rows, q.shape[1], q.shape[2]), q.new_empty(q.shape[1], out_rows, dtype=torch.float32)
 
@@ -137,9 +139,11 @@ def _jagged_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
 @torch.library.custom_op("jfa::jagged_attention_bwd", mutates_args=())
 def jagged_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                          q_offsets: Tensor, kv_offsets: Tensor, max_seq_len_q: int, max_seq_len_kv: int,
-                         sm_scale: float, causal: bool, window: int, broadcast_q: bool
+                         sm_scale: float, causal: bool, window: int, broadcast_q: bool, deterministic: bool = False
                          ) -> tuple[Tensor, Tensor, Tensor]:
     """Jagged attention backward -> (dq, dk, dv) in the dtypes of q, k, v.
+
+    `deterministic=True` asks the kernel for bitwise-repeatable gradients (no float atomics).
 
     The default implementation is `reference.jagged_attention_bwd_ref`, which recomputes P itself;
     `out` and `lse` are what a kernel backward needs and are unused there.
@@ -156,7 +160,7 @@ def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, w
 
 @jagged_attention_bwd.register_kernel("cuda")
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
-                               sm_scale, causal, window, broadcast_q):
+                               sm_scale, causal, window, broadcast_q, deterministic=False):
     why = _why_not_kernel("jagged_bwd", q, k, v, grad_out)
     if why is not None:
         _warn_once(f"backward: {why}")
@@ -166,12 +170,12 @@ def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offset
     q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
                              for o in (q_offsets, kv_offsets))
     return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
-                                       causal, _window_or_none(window), broadcast_q)
+                                       causal, _window_or_none(window), broadcast_q, deterministic=deterministic)
 
 
 @jagged_attention_bwd.register_fake
 def _jagged_attention_bwd_fake(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
-                               sm_scale, causal, window, broadcast_q):
+                               sm_scale, causal, window, broadcast_q, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -180,7 +184,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, q_offsets, kv_offsets, *params = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets)
-    ctx.params = params  # max_seq_len_q, max_seq_len_kv, sm_scale, causal, window, broadcast_q
+    ctx.params = params  # max_seq_len_q, max_seq_len_kv, sm_scale, causal, window, broadcast_q, deterministic
     # The backward (reference or kernel) has no LSE term: a loss on lse would get no gradient.
     ctx.mark_non_differentiable(lse)
 
@@ -188,7 +192,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, q_offsets, kv_offsets = ctx.saved_tensors
     dq, dk, dv = jagged_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (2 + len(ctx.params))
 
 
 torch.library.register_autograd("jfa::jagged_attention_fwd", _backward, setup_context=_setup_context)
@@ -198,12 +202,13 @@ torch.library.register_autograd("jfa::jagged_attention_fwd", _backward, setup_co
 def jagged_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
                      max_seq_len_q: int | None = None, max_seq_len_kv: int | None = None, *,
                      sm_scale: float | None = None, causal: bool = False, window: int | None = None,
-                     broadcast_q: bool = False, return_lse: bool = False):
+                     broadcast_q: bool = False, return_lse: bool = False, deterministic: bool = False):
     """Softmax attention over packed variable-length sequences (semantics: docs/CONTRACTS.md).
 
     q [Tq, Hq, D], k/v [Tk, Hkv, D] (Hq a multiple of Hkv), offsets int [B+1]. Returns out
     [Tq_out, Hq, D] in q's dtype, and lse float32 [Hq, Tq_out] when `return_lse`. Differentiable
-    in q, k, v. Offsets kept on the CPU are read without a GPU sync. Under torch.compile only the
+    in q, k, v; `deterministic=True` makes the gradients bitwise repeatable run to run. Offsets
+    kept on the CPU are read without a GPU sync. Under torch.compile only the
     checks that need no offset values run (reading values would break the graph).
     """
     if torch.compiler.is_compiling():
@@ -218,5 +223,5 @@ def jagged_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offs
                                                    broadcast_q=broadcast_q)
         max_q, max_kv, scale = problem.max_seq_len_q, problem.max_seq_len_kv, problem.sm_scale
     out, lse = jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, scale, causal,
-                                    NO_WINDOW if window is None else window, broadcast_q)
+                                    NO_WINDOW if window is None else window, broadcast_q, deterministic)
     return (out, lse) if return_lse else out

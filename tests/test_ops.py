@@ -189,9 +189,9 @@ class StubKernels:
                                   else window, broadcast_q)
 
     def jagged_attention_bwd(self, grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
-                             causal, window, broadcast_q):
+                             causal, window, broadcast_q, *, deterministic):
         self.calls.append(dict(offsets_dtype=(q_offsets.dtype, kv_offsets.dtype), max_len=(max_q, max_kv),
-                               window=window))
+                               window=window, deterministic=deterministic))
         return tuple(torch.zeros_like(t) for t in (q, k, v))
 
 
@@ -208,10 +208,11 @@ def test_kernel_dispatch_plumbing(monkeypatch, window):
     want, _ = reference.jagged_attention_ref(q, k, v, q_offsets, kv_offsets, sm_scale=0.25, causal=True, window=window)
     assert torch.equal(out, want)
     ops._jagged_attention_bwd_cuda(torch.ones_like(out), q, k, v, out, lse, q_offsets, kv_offsets, 7, 9, 0.25, True,
-                                   op_window, False)
+                                   op_window, False, True)
     # int32 offsets, max lengths resolved from the offsets when unknown, None for "no window".
     assert stub.calls == [dict(offsets_dtype=(torch.int32, torch.int32), max_len=(max(Q_LENS), 40), window=window),
-                          dict(offsets_dtype=(torch.int32, torch.int32), max_len=(7, 9), window=window)]
+                          dict(offsets_dtype=(torch.int32, torch.int32), max_len=(7, 9), window=window,
+                               deterministic=True)]
 
 
 def test_backend_reasons():
