@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU host: run every `gpu`-marked test with triton 3.8 + TLX and record the outcome as JSON.
 #   usage (repository root, .gpu-bundle carried):  bash scripts/gpu_test.sh [DEST_DIR] [extra pytest args]
+# Collects tests/gpu only: CPU test modules import packages (plotly) the GPU host lacks.
 # Writes DEST_DIR/gpu-tests-<date>.json (env block: GPU, driver, CUDA, torch, triton, TLX, commit, date).
 set -uo pipefail
 dest=${1:-results}; shift || true
@@ -13,4 +14,4 @@ python3 -m jfa check
 # Kernel compiles dominate the run: spread the tests over processes where pytest-xdist is installed.
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
-python3 -m pytest -m gpu tests -p no:cacheprovider -q "${workers[@]}" --results-json "$dest/gpu-tests-$stamp.json" "$@"
+python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -q "${workers[@]}" --results-json "$dest/gpu-tests-$stamp.json" "$@"
