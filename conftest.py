@@ -3,6 +3,8 @@
 It lives at the root so that any run records the same way: the CPU and GPU tests under tests/ and the
 notebooks under nbval (`pytest --nbval notebooks --results-json ...`).
 """
+
+
 def pytest_addoption(parser):
     parser.addoption("--results-json", default=None,
                      help="write each test's outcome and the environment block to this JSON file")

@@ -189,6 +189,28 @@ def _full_signature(spec: KernelSpec) -> dict:
     return signature
 
 
+BLACKWELL_ARCH = 100
+BLACKWELL_PTXAS_MIN_CUDA = (12, 8)  # the first CUDA whose ptxas assembles sm_100a
+
+
+def _fall_back_to_host_ptxas_for_blackwell() -> None:
+    """Point Triton's `ptxas-blackwell` at the host's ptxas where the wheel's copy is missing.
+
+    Triton's wheel ships a separate `ptxas-blackwell`; the offline GPU bundle drops Triton's
+    binaries to stay small and names the host's CUDA ptxas in TRITON_PTXAS_PATH instead. A ptxas of
+    CUDA >= 12.8 assembles sm_100a too, so the compile-only sm_100 views work there as well.
+    """
+    import triton
+    from triton.knobs import NvidiaTool
+
+    shipped = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    if os.environ.get("TRITON_PTXAS_BLACKWELL_PATH") or os.path.exists(shipped):
+        return
+    host = NvidiaTool.from_path(os.environ.get("TRITON_PTXAS_PATH", ""))
+    if host is not None and tuple(map(int, host.version.split("."))) >= BLACKWELL_PTXAS_MIN_CUDA:
+        os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = host.path
+
+
 def _compile(spec: KernelSpec, target: str):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -196,6 +218,8 @@ def _compile(spec: KernelSpec, target: str):
 
     source = ASTSource(fn=spec.fn, signature=_full_signature(spec), constexprs=spec.constexprs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    if INSPECT_TARGETS[target] >= BLACKWELL_ARCH:
+        _fall_back_to_host_ptxas_for_blackwell()
     # On a verifier failure Triton prints the whole module to stdout; the report keeps the diagnostics.
     with _stderr_captured() as log, contextlib.redirect_stdout(io.StringIO()):
         try:

@@ -121,3 +121,23 @@ def test_cli_json_and_errors(capsys):
     assert json.loads(capsys.readouterr().out)["tmem_columns"] == 128
     assert main(["t0"]) == 2  # ambiguous: every tutorial starts with t0
     assert "matches" in capsys.readouterr().err
+
+
+def test_sm100_uses_the_host_ptxas_where_the_wheel_lacks_ptxas_blackwell(monkeypatch):
+    """The offline GPU bundle strips Triton's binaries: a CUDA >= 12.8 ptxas named by TRITON_PTXAS_PATH
+    then assembles sm_100a for the compile-only views."""
+    import os
+
+    import triton
+    from triton.knobs import NvidiaTool
+
+    import jfa.inspect as inspect_module
+
+    shipped = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    monkeypatch.delenv("TRITON_PTXAS_BLACKWELL_PATH", raising=False)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", shipped)  # any CUDA >= 12.8 ptxas stands for the host's
+    real_exists = os.path.exists
+    monkeypatch.setattr(inspect_module.os.path, "exists", lambda p: False if p == shipped else real_exists(p))
+    inspect_module._fall_back_to_host_ptxas_for_blackwell()
+    assert os.environ["TRITON_PTXAS_BLACKWELL_PATH"] == shipped
+    assert NvidiaTool.from_path(shipped) is not None
