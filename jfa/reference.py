@@ -48,7 +48,7 @@ def _host_list(offsets: torch.Tensor) -> list[int]:
     return [int(x) for x in offsets.tolist()]
 
 
-def _visible(lq: int, lk: int, causal: bool, window: int | None, device) -> torch.Tensor:
+def visible_mask(lq: int, lk: int, causal: bool, window: int | None, device="cpu") -> torch.Tensor:
     """Boolean [lq, lk] mask of the keys each query sees (sequence-local positions).
 
     causal is bottom-right aligned (key j visible iff j <= i + lk - lq, FlashAttention's convention);
@@ -118,7 +118,7 @@ def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_of
             out_pieces.append(q.new_zeros(lq, heads, head_dim))
             lse_pieces.append(q.new_full((heads, lq), float("-inf")))
             continue
-        visible = _visible(lq, lk, causal, window, q.device) if (causal or window is not None) else None
+        visible = visible_mask(lq, lk, causal, window, q.device) if (causal or window is not None) else None
         out_seq, lse_seq = _masked_attention(q[q_start:q_end].transpose(0, 1), k[kv_start:kv_end].transpose(0, 1),
                                              v[kv_start:kv_end].transpose(0, 1), visible, scale)
         out_pieces.append(out_seq.transpose(0, 1))
@@ -158,7 +158,7 @@ def jagged_attention_bwd_ref(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         q_seq, k_seq, v_seq = (t[rows].transpose(0, 1) for t, rows in ((q, q_rows), (k_all, kv_rows), (v_all, kv_rows)))
         do_seq = grad_out[out_rows].transpose(0, 1)
         lk = k_seq.shape[1]
-        visible = _visible(lq, lk, causal, window, q.device) if (causal or window is not None) else None
+        visible = visible_mask(lq, lk, causal, window, q.device) if (causal or window is not None) else None
         out_seq, lse = _masked_attention(q_seq, k_seq, v_seq, visible, scale)
         scores = torch.matmul(q_seq, k_seq.transpose(-1, -2)) * scale
         if visible is not None:
@@ -250,7 +250,7 @@ def block_sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         visible = block_mask[:, :, :n_kv_blocks].repeat_interleave(block_m, 1).repeat_interleave(block_n, 2)
         visible = visible[:, :lq, :lk]
         if causal:
-            visible = visible & _visible(lq, lk, True, None, q.device)
+            visible = visible & visible_mask(lq, lk, True, None, q.device)
         q_seq = q[q_bounds[b]:q_bounds[b + 1]].transpose(0, 1)
         kv_rows = slice(kv_bounds[b], kv_bounds[b + 1])
         out_seq, lse_seq = _masked_attention(q_seq, k[kv_rows].transpose(0, 1), v[kv_rows].transpose(0, 1),

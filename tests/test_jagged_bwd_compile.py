@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 
 from jfa import schedule as tile_schedule, specs
 from jfa.kernels import jagged_bwd
+from jfa.reference import visible_mask
 
 BF16, FP16 = torch.bfloat16, torch.float16
 SEP, ATOMIC, TMA = "separate", "atomic", "tma_reduce"
@@ -137,17 +138,6 @@ def test_bad_config_raises():
 
 # ---- the schedule ----------------------------------------------------------------------------
 
-def _visible(lq, lk, causal, window):
-    i = torch.arange(lq)[:, None]
-    j = torch.arange(lk)[None, :]
-    vis = torch.ones(lq, lk, dtype=torch.bool)
-    if causal:
-        vis &= j <= i + (lk - lq)
-    if window is not None:
-        vis &= (i - j).abs() <= window
-    return vis
-
-
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 40), (True, 200)])
 def test_query_block_ranges_cover_exactly_the_visible_queries(causal, window):
     """Each KV block's query-block range spans the queries that see it (with causal and window
@@ -164,7 +154,7 @@ def test_query_block_ranges_cover_exactly_the_visible_queries(causal, window):
                                              causal=causal, window=window)
     for b in range(len(q_lens)):
         lq, lk = int(q_lens[b]), int(kv_lens[b])
-        vis = _visible(lq, lk, causal, window)
+        vis = visible_mask(lq, lk, causal, window)
         for kb in range(kv_blocks):
             if kb * block_n >= lk:
                 assert blocks[b, kb] == -1

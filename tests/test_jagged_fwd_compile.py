@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 
 from jfa import specs
 from jfa.kernels import jagged_fwd
+from jfa.reference import visible_mask
 from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -105,17 +106,6 @@ def test_short_queries_pair_heads():
 
 # ---- the schedule ----------------------------------------------------------------------------
 
-def _visible(lq, lk, causal, window):
-    i = torch.arange(lq)[:, None]
-    j = torch.arange(lk)[None, :]
-    vis = torch.ones(lq, lk, dtype=torch.bool)
-    if causal:
-        vis &= j <= i + (lk - lq)
-    if window is not None:
-        vis &= (i - j).abs() <= window
-    return vis
-
-
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 40), (True, 200)])
 def test_kv_tile_ranges_cover_exactly_the_visible_keys(causal, window):
     """Each query block's KV tile count spans its visible keys exactly.
@@ -136,7 +126,7 @@ def test_kv_tile_ranges_cover_exactly_the_visible_keys(causal, window):
                                causal=causal, window=window)
     for b in range(len(q_lens)):
         lq, lk = int(q_lens[b]), int(kv_lens[b])
-        vis = _visible(lq, lk, causal, window)
+        vis = visible_mask(lq, lk, causal, window)
         for qb in range(blocks):
             if qb * block_m >= lq:
                 assert tiles[b, qb] == -1
