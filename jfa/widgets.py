@@ -10,7 +10,8 @@ Sections: notebook setup; the environment; recorded results (what the notebooks 
 present: real runs in results/ first, labeled fixtures in results/recorded/ next, else a plain "no
 recorded H200 run yet"); the K/V ring simulator and the shared-memory / register / tensor-memory
 budget calculator (notebook 02); the panel wrapper; tutorial 2's sweep (02); benchmark rows and the
-write-up summary (08); the tile-dealing picture and the GEM-like sweep (03).
+write-up summary (08); the tile-dealing picture and the GEM-like sweep (03); recompute-vs-store
+arithmetic and the dQ strategies' recorded costs (04).
 """
 from __future__ import annotations
 
