@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
-    args, rest = parser.parse_known_args(argv[:1])
-    return COMMANDS[args.command][0](argv[1:] + rest)
+    command = parser.parse_args(argv[:1]).command  # each command parses its own arguments
+    return COMMANDS[command][0](argv[1:])
 
 
 if __name__ == "__main__":
