@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -58,6 +60,11 @@ class KernelSpec:
     name: str | None = None
     role_names: tuple = ()
     target: str = "sm_90"
+    # Integer arguments that are multiples of 16 in real launches (row strides of packed tensors).
+    # Triton's launcher specializes such values, and every pointer torch allocates, as divisible by
+    # 16; the compile here does the same, or the code it shows would not be the code that runs
+    # (unaligned stores take other layouts and more registers).
+    aligned: tuple = ()
 
     def __post_init__(self):
         if self.name is None:
@@ -109,6 +116,7 @@ class KernelReport:
     tmem_columns: int | None  # sm_100 only; None on Hopper, which has no tensor memory
     setmaxnreg: dict  # "inc 240" / "dec 40" -> occurrences in the PTX
     instructions: dict  # INSTRUCTION_GROUPS name -> static count in the PTX
+    spill_bytes: dict  # ptxas's "spill stores" / "spill loads" per thread (bytes), from `ptxas -v`
     ptx: str | None = None
     ttgir: str | None = None
 
@@ -133,7 +141,9 @@ class KernelReport:
             regs = "-" if role.registers is None else role.registers
             lines.append(f"  {role.name:<14}{role.warps:>6}{asked:>12}{regs:>13}")
         setmaxnreg = ", ".join(f"{k} x{v}" for k, v in self.setmaxnreg.items()) or "none"
-        lines += ["", f"  setmaxnreg in PTX: {setmaxnreg}", "", "  PTX instructions (static count)"]
+        spills = ", ".join(f"{k} {v} B" for k, v in self.spill_bytes.items())
+        lines += ["", f"  setmaxnreg in PTX: {setmaxnreg}", f"  register spills (ptxas): {spills}",
+                  "", "  PTX instructions (static count)"]
         lines += [f"    {group:<40}{count:>6}" for group, count in self.instructions.items()]
         return "\n".join(lines)
 
@@ -170,6 +180,7 @@ def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
         setmaxnreg=_setmaxnreg(ptx),
         instructions={group: sum(n for m, n in mnemonics.items() if test(m))
                       for group, test in INSTRUCTION_GROUPS.items()},
+        spill_bytes=_spill_bytes(ptx, INSPECT_TARGETS[target]),
         ptx=ptx if want_ptx else None,
         ttgir=ttgir if want_ttgir else None,
     )
@@ -191,6 +202,35 @@ def _full_signature(spec: KernelSpec) -> dict:
 
 BLACKWELL_ARCH = 100
 BLACKWELL_PTXAS_MIN_CUDA = (12, 8)  # the first CUDA whose ptxas assembles sm_100a
+
+
+_INTEGER_TYPES = ("i32", "i64")
+ALIGNMENT_BYTES = 16  # what Triton's launcher tests pointers and integers against ("D" specialization)
+# The flags Triton's own cubin step passes to ptxas (backends/nvidia/compiler.py), so the spill
+# counts are those of the binary that runs.
+_PTXAS_FLAGS = ("-lineinfo", "-v", "--regAllocOptLevel=2")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@functools.lru_cache(maxsize=64)
+def _spill_bytes(ptx: str, arch: int) -> dict:
+    """Per-thread spill traffic ptxas reports for this PTX: {"stores": B, "loads": B}.
+
+    Triton does not keep ptxas's log, so assemble once more with its flags (about a second for a
+    large kernel; cached per PTX text).
+    """
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([get_ptxas(arch).path, *_PTXAS_FLAGS, f"--gpu-name={sm_arch_from_capability(arch)}",
+                               source, "-o", os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
+    found = _SPILLS.findall(done.stderr)
+    if done.returncode != 0 or not found:
+        raise KernelCompileError(f"ptxas did not report spills (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return {"stores": sum(int(st) for st, _ in found), "loads": sum(int(ld) for _, ld in found)}
 
 
 def _fall_back_to_host_ptxas_for_blackwell() -> None:
@@ -216,7 +256,15 @@ def _compile(spec: KernelSpec, target: str):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = ASTSource(fn=spec.fn, signature=_full_signature(spec), constexprs=spec.constexprs)
+    signature = _full_signature(spec)
+    arg_index = {name: i for i, name in enumerate(spec.fn.arg_names)}
+    unknown = [name for name in spec.aligned if signature.get(name) not in _INTEGER_TYPES]
+    if unknown:
+        raise ValueError(f"KernelSpec {spec.name!r}: `aligned` names {unknown}, which are not integer "
+                         f"arguments; list only i32/i64 arguments there")
+    divisible = [name for name, ty in signature.items() if ty.startswith("*")] + list(spec.aligned)
+    attrs = {(arg_index[name],): [["tt.divisibility", ALIGNMENT_BYTES]] for name in divisible}
+    source = ASTSource(fn=spec.fn, signature=signature, constexprs=spec.constexprs, attrs=attrs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     if INSPECT_TARGETS[target] >= BLACKWELL_ARCH:
         _fall_back_to_host_ptxas_for_blackwell()

@@ -425,5 +425,6 @@ def inspect_spec(direction: str = "fwd", head_dim: int = 128, group: int = 1, dt
         fn = _block_attn_bwd_kernel
         name = f"block_attn_bwd{'_rotary' if rotary else ''}_d{head_dim}_g{group}"
     roles = ("producer",) + tuple(f"consumer_wg{i}" for i in range(NUM_CONSUMERS))
+    aligned = ("out_row_stride",) if direction == "fwd" else ("dq_row_stride", "dkv_row_stride")
     return KernelSpec(fn=fn, signature=signature, constexprs=constexprs, num_warps=WARPS_PER_GROUP.value,
-                      name=name, role_names=roles, target="sm_90")
+                      name=name, role_names=roles, target="sm_90", aligned=aligned)

@@ -475,7 +475,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     signature["dk_ptr"] = signature["dv_ptr"] = f"*{name}"
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_bwd_kernel, signature=signature, constexprs=constexprs,
-                      num_warps=PRODUCER_WARPS, name="jagged_bwd",
+                      num_warps=PRODUCER_WARPS, name="jagged_bwd", aligned=("stride_dq_row", "stride_dkv_row"),
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")
 
 
@@ -494,7 +494,8 @@ def dq_inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, ca
                      dq_partial_stride="i64", broadcast_q_len="i32", window="i32", gqa_group="i32",
                      qk_scale_log2="fp32", sm_scale="fp32", **{k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_dq_kernel, signature=signature, constexprs=constexprs, num_warps=DQ_NUM_WARPS,
-                      num_stages=2, name="jagged_bwd_dq", target="sm_90")
+                      num_stages=2, name="jagged_bwd_dq", target="sm_90",
+                      aligned=("stride_q_row", "stride_kv_row"))
 
 
 def is_supported(q: torch.Tensor) -> bool:

@@ -59,10 +59,13 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # Per-configuration tuning, keyed by (head_dim, heads per tile): BLOCK_N keys per KV tile, the K/V
 # ring depth, and the consumers' register budget (setmaxnreg). Shared memory at D=128 bf16, one head
 # per tile: Q 2x2x16 KB + K,V 2x2x32 KB = 192 KB of the 227 KB an H200 SM allows; two heads per
-# tile double the K/V ring, so its KV tiles are 64 keys.
+# tile double the K/V ring, so its KV tiles are 64 keys. At D=128 with one head per tile the
+# consumers hold a 64x128 fp32 accumulator, the 64x128 scores and P: at 232 registers ptxas spilled
+# inside the KV loop, at 240 (the producer, which only issues TMA, drops to 24) it does not
+# (`jfa.inspect` reports the spill bytes).
 TUNING = {
     (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232),
-    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
     (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
     (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
 }
@@ -262,10 +265,9 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                      tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q)
-                rows = row_lo + cid * ROW_STEP + tl.arange(0, ROWS)
+                first_row = row_lo + cid * ROW_STEP
+                rows = first_row + tl.arange(0, ROWS)
                 my_head = head + cid * HEAD_STEP
-                out_rows = out_row0 + rows
-                row_valid = rows < q_len
                 if num_kv_tiles > 0:
                     m_i = tl.full([ROWS], float("-inf"), tl.float32)
                     l_i = tl.zeros([ROWS], tl.float32)
@@ -328,12 +330,12 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                     # Finalize inside the branch: joining the wgmma accumulator with a zero tile
                     # would make the compiler convert fp32 accumulators through shared memory.
                     out, lse = finalize_rows(acc, m_i, l_i, dtype)
-                    store_rows(out_ptr, lse_ptr, out, lse, out_rows, row_valid, my_head,
-                               stride_out_row, stride_lse_head, HEAD_DIM)
+                    store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, my_head,
+                               stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
                 else:  # the block sees no key at all: output 0, LSE -inf
                     store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], dtype),
-                               tl.full([ROWS], float("-inf"), tl.float32), out_rows, row_valid,
-                               my_head, stride_out_row, stride_lse_head, HEAD_DIM)
+                               tl.full([ROWS], float("-inf"), tl.float32), out_row0, first_row,
+                               q_len, my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
 
 
 _SIGNATURE_AFTER_OUT = dict(
@@ -388,6 +390,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
                       num_warps=PRODUCER_WARPS, name="jagged_fwd",
+                      aligned=("stride_out_row",),
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")
 
 
