@@ -82,6 +82,13 @@ def _block_softmax(scores, key_ok, qk_scale_log2):
 
 
 @triton.jit
+def _load_f32(ptrs, mask):
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
+        "=r,l,r", [ptrs, tl.broadcast_to(mask, ptrs.shape).to(tl.int32)], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _rotary_conj(grad, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM: tl.constexpr):
     """Conjugate rotary rotation of an fp32 [64, D] gradient, in registers.
 
@@ -90,11 +97,11 @@ def _rotary_conj(grad, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM: tl.con
     ``sinu_pos`` holds sin(t_i) in its first D/2 columns and cos(t_i) in its last D/2.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
+    g_even, g_odd = tl.split(tl.reshape(grad, [grad.shape[0], HALF, 2]))
     pair = tl.arange(0, HALF)
     sinu_row = sinu_ptr + rows[:, None].to(tl.int64) * sinu_row_stride
-    sin = tl.load(sinu_row + pair[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    cos = tl.load(sinu_row + HALF + pair[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    g_even, g_odd = tl.split(tl.reshape(grad, [grad.shape[0], HALF, 2]))
+    sin = _load_f32(sinu_row + pair[None, :], row_ok[:, None])
+    cos = _load_f32(sinu_row + HALF + pair[None, :], row_ok[:, None])
     d_even = g_even * cos + g_odd * sin
     d_odd = g_odd * cos - g_even * sin
     return tl.reshape(tl.join(d_even, d_odd), [grad.shape[0], HEAD_DIM])
@@ -275,8 +282,9 @@ def _block_attn_bwd_kernel(
                 dk = dk * sm_scale
                 if ROTARY_EPILOGUE:
                     dk = _rotary_conj(dk, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM)
-                    dv = _rotary_conj(dv, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM)
                 _store_rows(dk_ptr, dkv_row_stride, kv_head * HEAD_DIM, rows, row_ok, dk.to(dtype), HEAD_DIM)
+                if ROTARY_EPILOGUE:
+                    dv = _rotary_conj(dv, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM)
                 _store_rows(dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, rows, row_ok, dv.to(dtype), HEAD_DIM)
                 seen += NUM_CONSUMERS * GROUP
 
@@ -425,6 +433,6 @@ def inspect_spec(direction: str = "fwd", head_dim: int = 128, group: int = 1, dt
         fn = _block_attn_bwd_kernel
         name = f"block_attn_bwd{'_rotary' if rotary else ''}_d{head_dim}_g{group}"
     roles = ("producer",) + tuple(f"consumer_wg{i}" for i in range(NUM_CONSUMERS))
-    aligned = ("out_row_stride",) if direction == "fwd" else ("dq_row_stride", "dkv_row_stride")
+    aligned = ("out_row_stride",) if direction == "fwd" else ("dq_row_stride", "dkv_row_stride", "sinu_row_stride")
     return KernelSpec(fn=fn, signature=signature, constexprs=constexprs, num_warps=WARPS_PER_GROUP.value,
                       name=name, role_names=roles, target="sm_90", aligned=aligned)
