@@ -428,6 +428,20 @@ def measure_case_in_process(case: dict, providers: list[str], passes: list[str],
     return rows
 
 
+def compile_case_in_process(case: dict, provider: str, device="cuda", registry: dict | None = None) -> None:
+    """Run `provider` once forward and backward on one input set of `case`, untimed and unchecked.
+
+    What it leaves behind is the point: torch.compile's and Triton's on-disk caches, which a later
+    timed run of the same shapes reads instead of compiling again (see `warm_isolated`).
+    """
+    registry = PROVIDERS if registry is None else registry
+    run = registry[provider](make_problem(case, device, 0, case_lengths(case)))
+    out = run.forward()
+    if run.no_backward is None:
+        out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+
+
 # ---- FlexAttention in its own process ------------------------------------------------------------------
 def isolated_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without the TLX/FA4 bundles: only the repository on PYTHONPATH."""
@@ -456,6 +470,36 @@ def measure_case_isolated(case: dict, provider: str, passes: list[str], timeout_
         why = f"{provider} worker exited with {done.returncode}: {done.stderr[-STDERR_TAIL_CHARS:].strip()}"
     return [make_row(case, provider, p, ms=None, flops=None, ok=False, error=why, params=shape_params(case))
             for p in passes]
+
+
+def warm_isolated(jobs: list[tuple[dict, str]], workers: int, timeout_s: float | None,
+                  python: str = sys.executable, stream: TextIO = sys.stderr) -> None:
+    """Compile the isolated providers' kernels for `jobs` [(case, provider)], `workers` at a time.
+
+    FlexAttention compiles for minutes per shape, on the CPU. Doing that for every case in parallel
+    processes first, then timing one case at a time (each now a cache hit), keeps the GPU to one
+    timed kernel at a time while the compiles share the host's cores. A worker that fails or runs
+    out of time is only reported here; the timed run makes its failed row.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_one(job: tuple[dict, str]) -> str:
+        case, provider = job
+        with tempfile.TemporaryDirectory(prefix="jfa-warm-") as tmp:
+            spec, out = Path(tmp) / "job.json", Path(tmp) / "rows.json"
+            spec.write_text(json.dumps({"case": case, "provider": provider, "compile_only": True}))
+            try:
+                done = subprocess.run([python, str(FLEX_WORKER), str(spec), str(out)], env=isolated_env(),
+                                      cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return "out of time"
+        return "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr[-300:].strip()}"
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for (case, provider), outcome in zip(jobs, pool.map(compile_one, jobs)):
+            print(f"bench: warmed {case['suite']} {case['case']} {provider} "
+                  f"({time.monotonic() - started:.0f} s): {outcome}", file=stream, flush=True)
 
 
 # ---- the results file ----------------------------------------------------------------------------------
@@ -510,8 +554,13 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
               max_seconds: float | None = None, redo_failed: bool = False, device="cuda",
               timer: Timer = do_bench_median, registry: dict | None = None,
               isolated: frozenset[str] = ISOLATED_PROVIDERS, env: dict | None = None,
-              clock: Callable[[], float] = time.monotonic, stream: TextIO = sys.stderr) -> bool:
-    """Run what `out` lacks; return True when every (case, provider, pass) is in the file."""
+              clock: Callable[[], float] = time.monotonic, stream: TextIO = sys.stderr,
+              prewarm_workers: int = 0) -> bool:
+    """Run what `out` lacks; return True when every (case, provider, pass) is in the file.
+
+    With `prewarm_workers`, the isolated providers' cases still to do are first compiled that many at
+    a time in parallel (`warm_isolated`), inside the same `max_seconds`.
+    """
     if env is None:
         from jfa.envinfo import environment
         env = environment()
@@ -528,6 +577,10 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
     total = sum(len(missing) for _, missing in todo)
     started, done = clock(), 0
     print(f"bench: {total} (case, provider) runs to do, {len(present)} rows already in {out}", file=stream)
+    warm_jobs = [(case, p) for case, missing in todo for p in missing if p in isolated]
+    if prewarm_workers > 0 and warm_jobs:
+        warm_isolated(warm_jobs, prewarm_workers, None if max_seconds is None else max_seconds - (clock() - started),
+                      stream=stream)
     for case, missing in todo:
         problems = None  # built on first in-process use; dropping the last case's tensors first
         for provider in missing:
@@ -598,6 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop cleanly before starting work past this many seconds (rerun to resume)")
     parser.add_argument("--redo-failed", action="store_true",
                         help="drop failed rows of these suites/providers from --out and run them again")
+    parser.add_argument("--prewarm", type=int, default=0, metavar="N",
+                        help="first compile FlexAttention for every case to do, N processes at a time "
+                             "(untimed), so the timed runs hit the compile caches (default 0: off)")
     return parser
 
 
@@ -609,7 +665,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         complete = run_bench(args.suite, args.providers, args.passes, args.out, quick=args.quick,
-                             max_seconds=args.max_seconds, redo_failed=args.redo_failed)
+                             max_seconds=args.max_seconds, redo_failed=args.redo_failed,
+                             prewarm_workers=args.prewarm)
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2

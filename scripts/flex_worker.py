@@ -4,6 +4,8 @@
 
 JOB.json is {"case": <a case dict of jfa.specs.BENCH_SUITES>, "provider": "flex", "passes": [...]}.
 ROWS.json receives {"rows": [...], "triton": "<version>"} in the row format of jfa.bench.
+With "compile_only": true the job only runs the provider once (filling the compile caches for a
+later timed job, see `jfa.bench.warm_isolated`) and ROWS.json gets no rows.
 
 `jfa.bench` starts this with the TLX bundles removed from the environment, so `import triton` here is
 the Triton that torch ships, the one FlexAttention's compiled kernels are written for. Every row says
@@ -28,6 +30,10 @@ def main(argv: list[str]) -> int:
 
     from jfa import bench
 
+    if job.get("compile_only"):
+        bench.compile_case_in_process(job["case"], job["provider"])
+        rows_path.write_text(json.dumps({"rows": [], "triton": triton.__version__}))
+        return 0
     rows = bench.measure_case_in_process(job["case"], [job["provider"]], job["passes"])
     for row in rows:
         row["params"]["triton"] = triton.__version__

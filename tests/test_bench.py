@@ -412,6 +412,23 @@ def test_crashing_worker_becomes_error_rows():
         assert row["error"].startswith("flex worker exited with 1")
 
 
+def test_prewarm_reports_each_job_and_never_raises():
+    """A failing compile worker is only reported; the timed run makes the failed row later."""
+    case = small_case()
+    log = io.StringIO()
+    bench.warm_isolated([(case, "flex"), (dict(case, case="other"), "flex")], workers=2, timeout_s=60,
+                        python="false", stream=log)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2
+    assert all("flex" in line and "exit 1" in line for line in lines)
+
+
+def test_prewarm_option_parses():
+    args = bench.build_parser().parse_args(["--suite", "gem", "--out", "x.json", "--prewarm", "4"])
+    assert args.prewarm == 4
+    assert bench.build_parser().parse_args(["--suite", "gem", "--out", "x.json"]).prewarm == 0
+
+
 def test_worker_without_arguments_prints_usage():
     done = subprocess.run([sys.executable, str(bench.FLEX_WORKER)], capture_output=True, text=True,
                           env=bench.isolated_env(), timeout=60)
