@@ -3,18 +3,22 @@
 # case (partial blocks, GQA, the rotary epilogue), and the timing of the production shape
 # (B=1152, H=4, D=128, lengths U[1,4096]): forward, forward+backward and the fused rotary backward.
 # Run from the repository root (on the GPU host: `source .gpu-bundle/activate.sh` first).
-# Logs and the timing JSON go to $OUT (default ./out/block).
+# Logs and the timing JSON go to $OUT (default ./out/block). Phases: PHASES="tests memcheck timing".
 set -uo pipefail
 OUT=${OUT:-out/block}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
+PHASES=${PHASES:-tests memcheck timing}
 status=0
 
+if [[ " $PHASES " == *" tests "* ]]; then
 echo "== gpu tests"
 timeout "${TEST_TIMEOUT_S:-90}" $PY -m pytest -q --maxfail=8 tests/gpu/test_block_attn.py 2>&1 | tee "$OUT/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
+if [[ " $PHASES " == *" memcheck "* ]]; then
 echo "== compute-sanitizer memcheck (tiny case)"
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 if [ -n "$SANITIZER" ]; then
@@ -39,7 +43,9 @@ PY
 else
   echo "compute-sanitizer not found: memcheck NOT run"; status=1
 fi
+fi
 
+if [[ " $PHASES " == *" timing "* ]]; then
 echo "== timing (do_bench median)"
 timeout "${TIMING_TIMEOUT_S:-90}" $PY - "$OUT/timing.json" <<'PY' 2>&1 | tee "$OUT/timing.log"
 import json, sys
@@ -81,4 +87,5 @@ for key, value in result.items():
 json.dump(result, open(sys.argv[1], "w"), indent=1)
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 exit $status

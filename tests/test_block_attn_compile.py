@@ -4,6 +4,8 @@ No GPU needed: the kernels are compiled with `jfa.inspect` and the PTX is checke
 design promises (wgmma GEMMs, TMA loads into an mbarrier ring, per-role register budgets via
 setmaxnreg) and the shared memory is checked against the SM's capacity.
 """
+import re
+
 import pytest
 import torch
 
@@ -35,6 +37,19 @@ def test_kernel_compiles_for_sm90(cfg):
     assert report.shared_bytes <= specs.SHARED_BYTES_PER_BLOCK["sm_90"]
     roles = {role.name: role for role in report.roles}
     assert roles["consumer_wg0"].registers == block_attn.CONSUMER_REGISTERS.value
+
+
+@pytest.mark.parametrize("head_dim", specs.SUPPORTED_HEAD_DIMS)
+def test_rotary_epilogue_stays_in_registers(head_dim):
+    """The conjugate rotation works on the fp32 accumulators where wgmma left them.
+
+    No fp32 tile changes layout (the only conversions are the bf16 tiles' on their way to the
+    masked stores, as without rotary), and nothing spills.
+    """
+    report = inspect(block_attn.inspect_spec(direction="bwd", head_dim=head_dim, rotary=True), want_ttgir=True)
+    converted = re.findall(r"ttg\.convert_layout %\S+ : tensor<[\dx]+x(\w+),", report.ttgir)
+    assert converted and set(converted) == {"bf16"}
+    assert report.spill_bytes == {"stores": 0, "loads": 0}
 
 
 def test_inspect_spec_rejects_bad_options():

@@ -29,7 +29,9 @@ is a register reduction, deterministic and without atomics.
 
 Fused rotary backward (``ROTARY_EPILOGUE``): the same backward kernel applies the conjugate rotary
 rotation to dQ, dK, dV while they are fp32 registers and stores them side by side into one tensor
-``dz[M, (Hq + 2*Hkv) * D]``, which the caller multiplies by the projection weight.
+``dz[M, (Hq + 2*Hkv) * D]``, which the caller multiplies by the projection weight. The rotation
+never leaves registers: the angles are loaded straight into the accumulator's layout, and each
+gradient is rotated and stored one half of its columns at a time (see ``_store_grad``).
 """
 from __future__ import annotations
 
@@ -47,7 +49,9 @@ from jfa.specs import BLOCK_ATTENTION_BLOCK
 BLOCK = tl.constexpr(BLOCK_ATTENTION_BLOCK)
 NUM_CONSUMERS = 2  # consumer warpgroups per program (a kernel argument, so each config can differ)
 WARPS_PER_GROUP = tl.constexpr(4)  # a Hopper warpgroup: the unit that issues one wgmma
-CONSUMER_REGISTERS = tl.constexpr(232)  # setmaxnreg budget of a consumer; the producer keeps the rest
+# setmaxnreg budget of a consumer; the producer (TMA issue only) keeps the rest, 24. The backward's
+# dQ epilogue holds dK, dV and dQ ([64, D] fp32 each, 192 registers a thread at D=128): at 232 it spilled.
+CONSUMER_REGISTERS = tl.constexpr(240)
 SMEM_BUDGET_BYTES = 200 * 1024  # ring + staging must fit Hopper's 227 KiB with room for barriers
 MAX_RING_DEPTH = 4
 
@@ -82,35 +86,73 @@ def _block_softmax(scores, key_ok, qk_scale_log2):
 
 
 @triton.jit
-def _load_f32(ptrs, mask):
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
-        "=r,l,r", [ptrs, tl.broadcast_to(mask, ptrs.shape).to(tl.int32)], dtype=tl.float32, is_pure=True, pack=1)
+def _load_fp32_in_consumer_layout(ptrs):
+    """fp32 loads that take the register layout of the values they are combined with.
+
+    A ``tl.load`` gets a coalesced layout that the compiler then keeps, so an [rows, pairs] tile of
+    rotary angles would force the gradient it multiplies through shared memory into that layout.
+    An elementwise inline-asm load is laid out like any elementwise op: the angles arrive directly in
+    the wgmma accumulator's column-pair layout. Not pure, so the compiler neither hoists it out of
+    the group loop nor merges the identical loads of dK and dV: either would keep the angles in
+    registers across code that needs them.
+    """
+    return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
-def _rotary_conj(grad, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM: tl.constexpr):
-    """Conjugate rotary rotation of an fp32 [64, D] gradient, in registers.
+def _rotary_conj(grad, sinu_ptr, sinu_row_stride, sinu_rows, first_pair, HEAD_DIM: tl.constexpr):
+    """Conjugate rotary rotation of fp32 gradient columns [64, W] whose first pair is ``first_pair``.
 
     The forward rotates each column pair (2i, 2i+1) by angle t_i: x' = x*cos + rotate_every_two(x)*sin.
     Its transpose rotates by -t_i: dx_even = g_even*cos + g_odd*sin, dx_odd = g_odd*cos - g_even*sin.
-    ``sinu_pos`` holds sin(t_i) in its first D/2 columns and cos(t_i) in its last D/2.
+    ``sinu_pos`` holds sin(t_i) in its first D/2 columns and cos(t_i) in its last D/2. The pair split
+    and join stay in registers: a wgmma accumulator holds both columns of a pair in one thread.
+    The loads are unmasked, so every index in ``sinu_rows`` must be a row of sinu_pos.
     """
-    HALF: tl.constexpr = HEAD_DIM // 2
-    g_even, g_odd = tl.split(tl.reshape(grad, [grad.shape[0], HALF, 2]))
-    pair = tl.arange(0, HALF)
-    sinu_row = sinu_ptr + rows[:, None].to(tl.int64) * sinu_row_stride
-    sin = _load_f32(sinu_row + pair[None, :], row_ok[:, None])
-    cos = _load_f32(sinu_row + HALF + pair[None, :], row_ok[:, None])
+    PAIRS: tl.constexpr = grad.shape[1] // 2
+    g_even, g_odd = tl.split(tl.reshape(grad, [grad.shape[0], PAIRS, 2]))
+    sin_ptrs = (sinu_ptr + sinu_rows[:, None].to(tl.int64) * sinu_row_stride
+                + first_pair + tl.arange(0, PAIRS)[None, :])
+    sin = _load_fp32_in_consumer_layout(sin_ptrs)
+    cos = _load_fp32_in_consumer_layout(sin_ptrs + HEAD_DIM // 2)
     d_even = g_even * cos + g_odd * sin
     d_odd = g_odd * cos - g_even * sin
-    return tl.reshape(tl.join(d_even, d_odd), [grad.shape[0], HEAD_DIM])
+    return tl.reshape(tl.join(d_even, d_odd), [grad.shape[0], grad.shape[1]])
 
 
 @triton.jit
-def _store_rows(base_ptr, row_stride, col0, rows, row_ok, tile, HEAD_DIM: tl.constexpr):
-    """Masked store of a [64, D] tile: rows past the sequence end belong to another block."""
-    cols = col0 + tl.arange(0, HEAD_DIM)
+def _store_grad(out_ptr, row_stride, col0, row0, real_rows, grad, sinu_ptr, sinu_row_stride,
+                HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    """Store an fp32 [64, D] gradient in the output's dtype, conjugate-rotated first if ROTARY.
+
+    One half of the columns at a time (a register-only split of the accumulator): while dK, dV
+    and dQ are all live, the angles of a whole tile (64 fp32 registers a thread at D=128) would
+    spill; for one half they fit, and the second half's loads cannot be hoisted above the first
+    half's store. Without rotary the halves still hold less at once on the way to the stores
+    (fewer spills at GROUP > 1). Row indices are formed here, not by the caller, so that none stay live through
+    the group loop. Rows past the sequence end take the angles of the block's last real row
+    (a row of sinu_pos) and are not stored.
+    """
+    offs_m = tl.arange(0, BLOCK)
+    rows = row0 + offs_m
+    row_ok = offs_m < real_rows
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    left, right = tl.split(tl.permute(tl.reshape(grad, [BLOCK, 2, HALF]), [0, 2, 1]))
+    if ROTARY:
+        sinu_rows = row0 + tl.minimum(offs_m, real_rows - 1)
+        left = _rotary_conj(left, sinu_ptr, sinu_row_stride, sinu_rows, 0, HEAD_DIM)
+    _store_rows(out_ptr, row_stride, col0, rows, row_ok, left.to(dtype), HALF)
+    if ROTARY:
+        right = _rotary_conj(right, sinu_ptr, sinu_row_stride, sinu_rows, HALF // 2, HEAD_DIM)
+    _store_rows(out_ptr, row_stride, col0 + HALF, rows, row_ok, right.to(dtype), HALF)
+
+
+@triton.jit
+def _store_rows(base_ptr, row_stride, col0, rows, row_ok, tile, COLS: tl.constexpr):
+    """Masked store of a [64, COLS] tile: rows past the sequence end belong to another block."""
+    cols = col0 + tl.arange(0, COLS)
     ptrs = base_ptr + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
     tl.store(ptrs, tile, mask=row_ok[:, None])
 
@@ -244,7 +286,6 @@ def _block_attn_bwd_kernel(
                 row0 = tl.load(block_start_ptr + block)
                 real_rows = tl.load(block_rows_ptr + block)
                 row_ok = offs_m < real_rows
-                rows = row0 + offs_m
                 dk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
                 dv = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
                 for g in range(GROUP):
@@ -273,19 +314,13 @@ def _block_attn_bwd_kernel(
                     dk = tlx.async_dot_wait(0, dk)
                     tlx.barrier_arrive(slot_empty[slot], 1)
 
-                    dq = dq * sm_scale
-                    if ROTARY_EPILOGUE:
-                        dq = _rotary_conj(dq, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM)
-                    _store_rows(dq_ptr, dq_row_stride, (kv_head * GROUP + g) * HEAD_DIM, rows, row_ok,
-                                dq.to(dtype), HEAD_DIM)
+                    _store_grad(dq_ptr, dq_row_stride, (kv_head * GROUP + g) * HEAD_DIM, row0, real_rows,
+                                dq * sm_scale, sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE)
 
-                dk = dk * sm_scale
-                if ROTARY_EPILOGUE:
-                    dk = _rotary_conj(dk, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM)
-                _store_rows(dk_ptr, dkv_row_stride, kv_head * HEAD_DIM, rows, row_ok, dk.to(dtype), HEAD_DIM)
-                if ROTARY_EPILOGUE:
-                    dv = _rotary_conj(dv, sinu_ptr, sinu_row_stride, rows, row_ok, HEAD_DIM)
-                _store_rows(dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, rows, row_ok, dv.to(dtype), HEAD_DIM)
+                _store_grad(dk_ptr, dkv_row_stride, kv_head * HEAD_DIM, row0, real_rows, dk * sm_scale,
+                            sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE)
+                _store_grad(dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, row0, real_rows, dv,
+                            sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE)
                 seen += NUM_CONSUMERS * GROUP
 
 
@@ -348,7 +383,8 @@ def _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, dq_row_stride, dkv_row_strid
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     block_start, block_rows, num_blocks = build_block_table(offsets.to(q.device), rows)
     rotary = sinu_pos is not None
-    sinu = sinu_pos.contiguous() if rotary else dq  # never read without ROTARY_EPILOGUE
+    # the kernel reads the angles as fp32 words; without ROTARY_EPILOGUE it never reads them
+    sinu = sinu_pos.to(torch.float32).contiguous() if rotary else dq
     grid = (_num_programs(q.device, block_start.numel() * heads_kv),)
     _block_attn_bwd_kernel[grid](
         _row_descriptor(q), _row_descriptor(k), _row_descriptor(v), _row_descriptor(dout),
@@ -433,6 +469,7 @@ def inspect_spec(direction: str = "fwd", head_dim: int = 128, group: int = 1, dt
         fn = _block_attn_bwd_kernel
         name = f"block_attn_bwd{'_rotary' if rotary else ''}_d{head_dim}_g{group}"
     roles = ("producer",) + tuple(f"consumer_wg{i}" for i in range(NUM_CONSUMERS))
+    # sinu_row_stride is D, or dq's row stride without rotary: a multiple of 16 in every launch
     aligned = ("out_row_stride",) if direction == "fwd" else ("dq_row_stride", "dkv_row_stride", "sinu_row_stride")
     return KernelSpec(fn=fn, signature=signature, constexprs=constexprs, num_warps=WARPS_PER_GROUP.value,
                       name=name, role_names=roles, target="sm_90", aligned=aligned)
