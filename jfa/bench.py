@@ -503,8 +503,18 @@ def warm_isolated(jobs: list[tuple[dict, str]], workers: int, timeout_s: float |
 
 
 # ---- the results file ----------------------------------------------------------------------------------
+# Environment fields that say which code produced a row; a resumed run that differs in any of them
+# is recorded in the file's "resumed" list.
+PROVENANCE_KEYS = ("commit", "torch", "triton", "tlx", "fa4")
+
+
 class ResultsFile:
-    """`{"env": {...}, "rows": [...]}` on disk, rewritten atomically after every case."""
+    """`{"env": {...}, "rows": [...]}` on disk, rewritten atomically after every case.
+
+    `env` is the environment of the run that created the file. When a later run with other code
+    (see PROVENANCE_KEYS) resumes it, its env is appended to `"resumed"` with `"first_row"`, the
+    index of the first row it adds: rows from there on (up to the next entry) are that run's.
+    """
 
     def __init__(self, path: Path, env: dict):
         self.path = Path(path)
@@ -517,6 +527,9 @@ class ResultsFile:
             if recorded_gpu != env.get("gpu"):
                 raise ValueError(f"--out {self.path} holds results from GPU {recorded_gpu!r}, this is "
                                  f"{env.get('gpu')!r}: write to another file")
+            latest = (self.data.get("resumed") or [self.data.get("env", {})])[-1]
+            if any(latest.get(k) != env.get(k) for k in PROVENANCE_KEYS):
+                self.data.setdefault("resumed", []).append(dict(env, first_row=len(self.data["rows"])))
 
     def key_set(self) -> set[tuple[str, str, str, str]]:
         return {(r["suite"], r["case"], r["provider"], r["pass"]) for r in self.data["rows"]}

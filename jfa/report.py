@@ -103,7 +103,12 @@ def suite_section(suite: str, rows: list[dict], figure) -> str:
 
 
 def env_section(results: list[tuple[Path, dict]]) -> str:
-    body = [[Path(path).name] + [data["env"].get(k) for k in ENV_KEYS] for path, data in results]
+    """One line per run that wrote rows: the file's first run, then each resumed run (jfa.bench)."""
+    body = []
+    for path, data in results:
+        body.append([Path(path).name] + [data["env"].get(k) for k in ENV_KEYS])
+        body += [[f"{Path(path).name} (rows {run['first_row']}+)"] + [run.get(k) for k in ENV_KEYS]
+                 for run in data.get("resumed", [])]
     return "<h2 id='environment'>Environment</h2>" + _table(["file", *ENV_KEYS], body)
 
 

@@ -395,6 +395,20 @@ def test_results_from_another_gpu_are_refused(tmp_path):
         bench.ResultsFile(out, {"gpu": None})
 
 
+def test_resuming_with_other_code_records_its_environment(tmp_path):
+    out = tmp_path / "r.json"
+    first = {"gpu": "G", "commit": "aaa", "triton": "3.8.0"}
+    bench.ResultsFile(out, first).add([{"row": 0}])
+    bench.ResultsFile(out, dict(first)).add([{"row": 1}])  # same code: nothing recorded
+    assert "resumed" not in json.loads(out.read_text())
+    second = dict(first, commit="bbb", triton="3.6.0")
+    bench.ResultsFile(out, second).add([{"row": 2}])
+    bench.ResultsFile(out, dict(second)).add([{"row": 3}])
+    data = json.loads(out.read_text())
+    assert data["env"] == first
+    assert data["resumed"] == [dict(second, first_row=2)]
+
+
 # ---- the flex worker plumbing -------------------------------------------------------------------------
 def test_isolated_env_drops_the_bundles():
     env = bench.isolated_env({"PYTHONPATH": "/tmp/gpu-site:/tmp/triton-tlx:/repo", "EXTRA_SITE_DIRS": "/tmp/x",

@@ -93,6 +93,12 @@ def test_report_page_from_the_stored_run(tmp_path, fake_run):
     assert "Q expanded B times" in page
 
 
+def test_report_lists_every_run_of_a_resumed_file(fake_run):
+    resumed = dict(fake_run, resumed=[dict(fake_run["env"], commit="c0ffee1", first_row=2)])
+    page = report.env_section([(FIXTURE, resumed)])
+    assert f"{FIXTURE.name} (rows 2+)" in page and "c0ffee1" in page
+
+
 def test_later_file_replaces_the_same_row(tmp_path, fake_run):
     newer = dict(fake_run, rows=[dict(fake_run["rows"][0], ms=123.0)])
     path = tmp_path / "newer.json"
