@@ -126,9 +126,9 @@ BENCH_SUITES: dict[str, tuple[dict, ...]] = {
                           for p in BLOCK_SPARSE_DENSITIES),
     "fp8": _gem_cases("fp8", "fp8", batch=GEM_BATCH, heads=GEM_HEADS, head_dim=GEM_HEAD_DIM,
                       max_lens=(1024, 2048), sparsities=(0.5, 1.0), dtype=FP8_BENCH_DTYPE),
-    "block": tuple(_case("block", f"L={L},s=0.5,D={d}", "block", batch=GEM_BATCH, heads=GEM_HEADS,
-                         head_dim=d, max_len=L, sparsity=0.5)
-                   for L in (1024, 2048, 4096) for d in (64, 128)),
+    "block": tuple(_case("block", f"L={L},s={s},D={d}", "block", batch=GEM_BATCH, heads=GEM_HEADS,
+                         head_dim=d, max_len=L, sparsity=s)
+                   for L in (1024, 2048, 4096) for s in (0.5, 1.0) for d in (64, 128)),
 }
 
 # `--quick`: the same kinds at toy sizes, for smoke runs (seconds, any GPU).
