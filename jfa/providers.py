@@ -258,29 +258,135 @@ def _local_block(offsets: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
     return ((rows - offsets[:-1].long()[doc.long()]) // specs.BLOCK_SPARSE_BLOCK).to(torch.int32)
 
 
+# FlexAttention's default tile; the masks create_block_mask built for this benchmark used it too, so
+# the kernels timed are the same ones as before.
+FLEX_SPARSE_BLOCK = 128
+
+
+@dataclass
+class _TileSpans:
+    """Which documents the FLEX_SPARSE_BLOCK-row tiles of one side (queries or keys) touch.
+
+    Documents are numbered among the *live* ones only (rows on both sides), because only those make
+    visible pairs; the live documents touching a tile are then a contiguous range of that numbering.
+    """
+    live_lo: torch.Tensor  # [n_tiles] first live document with a row in the tile
+    live_hi: torch.Tensor  # [n_tiles] last one; live_hi < live_lo when the tile has no live row
+    sole_doc: torch.Tensor  # [n_tiles] the document owning every row of a whole tile, else -1
+
+
+def _live_before(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
+    """[B + 1] number of live documents before each document, the numbering `_TileSpans` uses."""
+    live = (q_offsets[1:] > q_offsets[:-1]) & (kv_offsets[1:] > kv_offsets[:-1])
+    return torch.cat((live.new_zeros(1, dtype=torch.int64), torch.cumsum(live, 0)))
+
+
+def _tile_spans(offsets: torch.Tensor, rows: int, live_before: torch.Tensor) -> _TileSpans:
+    """Tile spans from the offsets alone: a binary search per tile end, never a per-row pass."""
+    bounds = offsets.to(torch.int64)
+    first_row = torch.arange(0, rows, FLEX_SPARSE_BLOCK, device=bounds.device, dtype=torch.int64)
+    last_row = (first_row + FLEX_SPARSE_BLOCK).clamp(max=rows) - 1
+    # right=True skips the empty documents that start where a non-empty one does.
+    first_doc = torch.searchsorted(bounds, first_row, right=True) - 1
+    last_doc = torch.searchsorted(bounds, last_row, right=True) - 1
+    # A tile cut short by the end of the rows is padding for flex, so never unmasked.
+    whole = (first_doc == last_doc) & (last_row - first_row + 1 == FLEX_SPARSE_BLOCK)
+    return _TileSpans(live_before[first_doc], live_before[last_doc + 1] - 1,
+                      torch.where(whole, first_doc, -1))
+
+
+def _ordered_tiles(rows: _TileSpans, cols: _TileSpans) -> tuple[torch.Tensor, ...]:
+    """For every row tile, the column tiles sharing a live document with it, in BlockMask's ordered
+    form: (partial_num, partial_idx, full_num, full_idx), shaped [1, 1, R] and [1, 1, R, W].
+
+    Both span bounds are non-decreasing along the tiles, so the candidates of a row tile are one
+    contiguous range of columns found by binary search; the width W is the longest range, not the
+    number of column tiles, which keeps this O(tiles) instead of O(row tiles x column tiles).
+    """
+    n_cols = cols.live_lo.shape[0]
+    first = torch.searchsorted(cols.live_hi, rows.live_lo)
+    count = (torch.searchsorted(cols.live_lo, rows.live_hi, right=True) - first).clamp(min=0)
+    width = max(int(count.max()), 1)  # a host sync (one per table side): it sizes the index tensors
+    step = torch.arange(width, device=first.device)
+    # Clamped so that the padding past each row's count is still a valid tile index.
+    col = (first[:, None] + step).clamp(max=n_cols - 1)
+    # Inside the range only tiles without a live row (gaps between documents) can miss.
+    touched = (step < count[:, None]) & (torch.maximum(rows.live_lo[:, None], cols.live_lo[col])
+                                         <= torch.minimum(rows.live_hi[:, None], cols.live_hi[col]))
+    full = touched & (rows.sole_doc[:, None] == cols.sole_doc[col]) & (rows.sole_doc[:, None] >= 0)
+    return (*_ordered(touched & ~full, col), *_ordered(full, col))
+
+
+def _ordered(selected: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num [1, 1, R], indices [1, 1, R, W]) int32 with the selected columns first, ascending, as
+    flex's own `_dense_to_ordered` lays them out."""
+    order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
+    num = selected.sum(-1, dtype=torch.int32)
+    return num[None, None], col.gather(-1, order).to(torch.int32)[None, None].contiguous()
+
+
+def document_block_mask(mask_mod, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, q_rows: int,
+                        kv_rows: int):
+    """The FlexAttention BlockMask of a document mask (query row i sees key j iff both belong to the
+    same sequence), built from the offsets in O(tiles) work.
+
+    `create_block_mask` would evaluate `mask_mod` on all q_rows x kv_rows pairs, minutes per GEM input
+    set. The q-side (transposed) tables for the backward are built the same way instead of by
+    `BlockMask.from_kv_blocks`, which densifies a [row tiles, column tiles] table to transpose it.
+    The index tables are only as wide as the most tiles any tile touches, so `BlockMask.to_dense()`
+    (which takes that width as the number of tiles) does not apply; flex's kernels read the strides.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    live_before = _live_before(q_offsets.to(torch.int64), kv_offsets.to(torch.int64))
+    q_spans = _tile_spans(q_offsets, q_rows, live_before)
+    kv_spans = _tile_spans(kv_offsets, kv_rows, live_before)
+    kv_num, kv_idx, full_kv_num, full_kv_idx = _ordered_tiles(q_spans, kv_spans)
+    q_num, q_idx, full_q_num, full_q_idx = _ordered_tiles(kv_spans, q_spans)
+    return BlockMask(seq_lengths=(q_rows, kv_rows), kv_num_blocks=kv_num, kv_indices=kv_idx,
+                     full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx, q_num_blocks=q_num,
+                     q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+                     BLOCK_SIZE=(FLEX_SPARSE_BLOCK, FLEX_SPARSE_BLOCK), mask_mod=mask_mod)
+
+
+def _flex_block_mask(flex, problem: Problem, mask_mod, q_offsets: torch.Tensor, q_rows: int):
+    """The block mask for the problem's kind; the block kind is a document mask over its 64-token
+    blocks. Block-sparse keeps `create_block_mask`: its selection differs per head and is small."""
+    kv_rows = problem.k.shape[0]
+    if problem.kind == "block_sparse":
+        return flex.create_block_mask(mask_mod, None, problem.heads, q_rows, kv_rows, device=problem.q.device,
+                                      _compile=True)
+    if problem.kind == "block":
+        return document_block_mask(mask_mod, problem.block_offsets, problem.block_offsets, q_rows, kv_rows)
+    return document_block_mask(mask_mod, q_offsets, problem.kv_offsets, q_rows, kv_rows)
+
+
+def _flex_query(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(packed q, its offsets, notes): flex has no broadcast-Q, so pma gets its Q expanded per batch."""
+    if problem.kind != "pma":
+        return problem.q, problem.q_offsets, []
+    q = problem.q.detach().repeat(problem.batch, 1, 1).requires_grad_(problem.q.requires_grad)
+    q_offsets = torch.arange(problem.batch + 1, device=q.device, dtype=torch.int32) * problem.q.shape[0]
+    return q, q_offsets, [EXPANDED_Q_NOTE]
+
+
 def build_flex(problem: Problem) -> ProviderRun:
     """FlexAttention with a document mask; run only by scripts/flex_worker.py (stock Triton)."""
     _require_kind(problem, "flex", ("jagged", "pma", "dense", "block", "block_sparse"))
     flex = _import("torch.nn.attention.flex_attention", "flex")
-    q_offsets, notes = problem.q_offsets, []
-    q_src = problem.q
-    if problem.kind == "pma":
-        q_src = problem.q.detach().repeat(problem.batch, 1, 1).requires_grad_(problem.q.requires_grad)
-        q_offsets = torch.arange(problem.batch + 1, device=q_src.device, dtype=torch.int32) * problem.q.shape[0]
-        notes.append(EXPANDED_Q_NOTE)
+    q_src, q_offsets, notes = _flex_query(problem)
 
     def to_1htd(t: torch.Tensor) -> torch.Tensor:
         return t.detach().transpose(0, 1).contiguous().unsqueeze(0).requires_grad_(t.requires_grad)
 
     q, k, v = to_1htd(q_src), to_1htd(problem.k), to_1htd(problem.v)
     mask_mod = _flex_mask_mod(problem, q.shape[2], q_offsets)
-    # _compile=True builds the block mask block by block: no [Tq, Tk] boolean is ever allocated.
-    # Block-sparse selections differ per head, so only that kind builds a per-head mask.
-    heads = problem.heads if problem.kind == "block_sparse" else None
-    block_mask = flex.create_block_mask(mask_mod, None, heads, q.shape[2], k.shape[2], device=q.device,
-                                        _compile=True)
+    block_mask = _flex_block_mask(flex, problem, mask_mod, q_offsets, q.shape[2])
     compiled = torch.compile(flex.flex_attention, dynamic=False)
-    notes.append("document mask via create_block_mask(_compile=True); flex_attention under torch.compile")
+    if problem.kind == "block_sparse":
+        notes.append("mask via create_block_mask(_compile=True); flex_attention under torch.compile")
+    else:
+        notes.append("block mask built from the offsets (no T x T evaluation); flex_attention under torch.compile")
 
     def to_packed(out: torch.Tensor) -> torch.Tensor:
         return out[0].transpose(0, 1)
