@@ -6,7 +6,8 @@ without running anything) and with autograd. On a Hopper GPU they run the TLX ke
 once), so notebooks and user code behave the same on a laptop.
 
 The fused path splits its work where each part is cheapest:
-- forward: ``qkv = x @ w (+ bias)`` is a torch matmul; rotary on q, k, v, then the attention kernel;
+- forward: ``qkv = x @ w (+ bias)`` is a torch matmul; rotary on q, k, v (one Triton pass each,
+  `jfa.kernels.rotary`), then the attention kernel;
 - backward: the attention backward kernel applies the conjugate rotation in its epilogue and writes
   one tensor ``dz = d(qkv)``; autograd's matmul backward then gives ``dx = dz @ w^T``,
   ``dw = x^T @ dz`` and ``dbias = dz.sum(0)``. Only ``qkv`` is kept for the backward: the rotated
@@ -20,7 +21,7 @@ import torch
 
 from jfa import reference, specs
 from jfa.jagged import OFFSET_DTYPES, check_jagged_tensors
-from jfa.kernels import block_attn
+from jfa.kernels import block_attn, rotary
 
 __all__ = ["block_attention", "fused_projection_rotary_block_attention"]
 
@@ -119,8 +120,14 @@ def _split_heads(qkv: torch.Tensor, q_heads: int, kv_heads: int):
 
 
 def _rotated_heads(qkv, sinu_pos, q_heads, kv_heads):
-    """q, k, v of the projection with rotary applied (fp32 math, stored in qkv's dtype)."""
-    return tuple(reference.rotary_ref(t, sinu_pos).to(qkv.dtype) for t in _split_heads(qkv, q_heads, kv_heads))
+    """q, k, v of the projection with rotary applied (fp32 math, stored in qkv's dtype).
+
+    On a GPU one Triton pass per tensor (`jfa.kernels.rotary`); elsewhere the PyTorch reference.
+    """
+    heads = _split_heads(qkv, q_heads, kv_heads)
+    if qkv.is_cuda:
+        return tuple(rotary.rotate(t, sinu_pos) for t in heads)
+    return tuple(reference.rotary_ref(t, sinu_pos).to(qkv.dtype) for t in heads)
 
 
 def _reference_grads(fn, inputs, grad_out):

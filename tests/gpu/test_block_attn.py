@@ -12,7 +12,7 @@ import torch
 
 from jfa import reference, specs
 from jfa.block import block_attention, fused_projection_rotary_block_attention
-from jfa.kernels import block_attn
+from jfa.kernels import block_attn, rotary
 
 pytestmark = pytest.mark.gpu
 
@@ -119,6 +119,24 @@ def test_rotary_epilogue_writes_conjugate_rotated_dz(head_dim):
     assert not dz.isnan().any(), "some dz rows were never written"
     torch.testing.assert_close(dz.float(), expected, **specs.BLOCK_ATTN_GRAD_TOL)
     assert snr_db(expected, dz) > specs.BLOCK_ATTN_GRAD_SNR_DB
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_pass_and_unfused_dz_match_the_reference(head_dim):
+    """The Triton rotary pass on a column slice of qkv, and the unfused dz built from it."""
+    lengths = EDGE_LENGTHS + random_lengths(8, 256, seed=7)
+    offsets = make_offsets(lengths)
+    rows = sum(lengths)
+    sinu_pos = reference.make_sinu_pos(offsets, head_dim)
+    qkv = torch.randn(rows, 8 * head_dim, device="cuda", dtype=torch.bfloat16)
+    k_view = qkv[:, 4 * head_dim:6 * head_dim].view(rows, 2, head_dim)
+    out = torch.full((rows, 2, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    rotary.rotate(k_view, sinu_pos, out=out)
+    torch.testing.assert_close(out.float(), reference.rotary_ref(k_view, sinu_pos), **specs.FWD_TOL)
+    grads = tuple(torch.randn(rows, h, head_dim, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    dz = rotary.rotary_conj_dz(grads, sinu_pos)
+    expected = torch.cat([reference.rotary_conj_ref(g, sinu_pos).flatten(1) for g in grads], dim=1)
+    torch.testing.assert_close(dz.float(), expected, **specs.FWD_TOL)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
