@@ -74,14 +74,15 @@ fwd_bwd_ms = bench(lambda: block_attn.block_attention_bwd(q, k, v, offsets, bloc
 rot_bwd_ms = bench(lambda: block_attn.block_attention_rotary_bwd(q, k, v, offsets, dout, sinu_pos))
 # The unfused path: plain backward, then the conjugate rotation and dz assembly, (a) as one Triton
 # pass per gradient (jfa.kernels.rotary: the strong baseline), (b) as PyTorch fp32 ops.
-unfused_ms = bench(lambda: rotary.rotary_conj_dz(block_attn.block_attention_bwd(q, k, v, offsets, dout), sinu_pos))
+unfused_triton_ms = bench(lambda: rotary.rotary_conj_dz(block_attn.block_attention_bwd(q, k, v, offsets, dout),
+                                                        sinu_pos))
 unfused_torch_ms = bench(lambda: torch.cat([reference.rotary_conj_ref(g, sinu_pos).to(q.dtype).flatten(1)
                                             for g in block_attn.block_attention_bwd(q, k, v, offsets, dout)], dim=1))
 result = {
     "shape": dict(batch=batch, heads=heads, head_dim=head_dim, lengths=f"U[1,{max_len}]", rows=rows, dtype="bf16"),
     "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-    "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "bwd_ms": fwd_bwd_ms - fwd_ms, "rotary_bwd_ms": rot_bwd_ms, "unfused_rotary_bwd_ms": unfused_ms,
-    "unfused_torch_rotary_bwd_ms": unfused_torch_ms,
+    "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "bwd_ms": fwd_bwd_ms - fwd_ms, "rotary_bwd_ms": rot_bwd_ms,
+    "unfused_rotary_bwd_ms": unfused_torch_ms, "unfused_triton_rotary_bwd_ms": unfused_triton_ms,
     "fwd_tflops": specs.tflops(fwd_flops, fwd_ms),
     "bwd_tflops": specs.tflops(specs.BWD_FLOP_FACTOR * fwd_flops, fwd_bwd_ms - fwd_ms),
 }
