@@ -165,7 +165,7 @@ def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
     target = spec.target if target is None else target
     if target not in INSPECT_TARGETS:
         raise ValueError(f"target must be one of {sorted(INSPECT_TARGETS)}, got {target!r}")
-    kernel = _compile(spec, target)
+    kernel = compile_spec(spec, target)
     ttgir = kernel.asm["ttgir"]
     ptx = kernel.asm["ptx"]
     mnemonics = _ptx_mnemonics(ptx)
@@ -180,7 +180,7 @@ def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
         setmaxnreg=_setmaxnreg(ptx),
         instructions={group: sum(n for m, n in mnemonics.items() if test(m))
                       for group, test in INSTRUCTION_GROUPS.items()},
-        spill_bytes=_spill_bytes(ptx, INSPECT_TARGETS[target]),
+        spill_bytes=spill_bytes(ptx, INSPECT_TARGETS[target]),
         ptx=ptx if want_ptx else None,
         ttgir=ttgir if want_ttgir else None,
     )
@@ -213,7 +213,7 @@ _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 @functools.lru_cache(maxsize=64)
-def _spill_bytes(ptx: str, arch: int) -> dict:
+def spill_bytes(ptx: str, arch: int) -> dict:
     """Per-thread spill traffic ptxas reports for this PTX: {"stores": B, "loads": B}.
 
     Triton does not keep ptxas's log, so assemble once more with its flags (about a second for a
@@ -251,7 +251,11 @@ def _fall_back_to_host_ptxas_for_blackwell() -> None:
         os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = host.path
 
 
-def _compile(spec: KernelSpec, target: str):
+def compile_spec(spec: KernelSpec, target: str):
+    """`triton.compile` of one spec for `target` ("sm_90" / "sm_100"), specialized as a launch would be.
+
+    Returns Triton's compiled kernel (its `.asm` holds ttgir, ptx, cubin); raises KernelCompileError.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
