@@ -454,20 +454,30 @@ class WorkerTimeout(RuntimeError):
     """The worker ran past the time this run had left; its case stays to do."""
 
 
+def _run_worker(job: dict, timeout_s: float | None, python: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """scripts/flex_worker.py on `job`, in the cleaned environment: (the process, its JSON or None).
+
+    Raises subprocess.TimeoutExpired when it runs past `timeout_s`.
+    """
+    with tempfile.TemporaryDirectory(prefix="jfa-worker-") as tmp:
+        spec, out = Path(tmp) / "job.json", Path(tmp) / "rows.json"
+        spec.write_text(json.dumps(job))
+        done = subprocess.run([python, str(FLEX_WORKER), str(spec), str(out)], env=isolated_env(),
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+        result = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else None
+    return done, result
+
+
 def measure_case_isolated(case: dict, provider: str, passes: list[str], timeout_s: float | None,
                           python: str = sys.executable) -> list[dict]:
     """Run one provider on one case in scripts/flex_worker.py; a crash becomes failed rows."""
-    with tempfile.TemporaryDirectory(prefix="jfa-worker-") as tmp:
-        job, out = Path(tmp) / "job.json", Path(tmp) / "rows.json"
-        job.write_text(json.dumps({"case": case, "provider": provider, "passes": passes}))
-        try:
-            done = subprocess.run([python, str(FLEX_WORKER), str(job), str(out)], env=isolated_env(),
-                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise WorkerTimeout(f"{provider} worker ran past {timeout_s:.0f} s") from None
-        if done.returncode == 0 and out.exists():
-            return json.loads(out.read_text())["rows"]
-        why = f"{provider} worker exited with {done.returncode}: {done.stderr[-STDERR_TAIL_CHARS:].strip()}"
+    try:
+        done, result = _run_worker({"case": case, "provider": provider, "passes": passes}, timeout_s, python)
+    except subprocess.TimeoutExpired:
+        raise WorkerTimeout(f"{provider} worker ran past {timeout_s:.0f} s") from None
+    if result is not None:
+        return result["rows"]
+    why = f"{provider} worker exited with {done.returncode}: {done.stderr[-STDERR_TAIL_CHARS:].strip()}"
     return [make_row(case, provider, p, ms=None, flops=None, ok=False, error=why, params=shape_params(case))
             for p in passes]
 
@@ -485,14 +495,10 @@ def warm_isolated(jobs: list[tuple[dict, str]], workers: int, timeout_s: float |
 
     def compile_one(job: tuple[dict, str]) -> str:
         case, provider = job
-        with tempfile.TemporaryDirectory(prefix="jfa-warm-") as tmp:
-            spec, out = Path(tmp) / "job.json", Path(tmp) / "rows.json"
-            spec.write_text(json.dumps({"case": case, "provider": provider, "compile_only": True}))
-            try:
-                done = subprocess.run([python, str(FLEX_WORKER), str(spec), str(out)], env=isolated_env(),
-                                      cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                return "out of time"
+        try:
+            done, _ = _run_worker({"case": case, "provider": provider, "compile_only": True}, timeout_s, python)
+        except subprocess.TimeoutExpired:
+            return "out of time"
         return "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr[-300:].strip()}"
 
     started = time.monotonic()
