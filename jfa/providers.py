@@ -233,19 +233,17 @@ def _row_labels(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.repeat_interleave(labels, lengths, output_size=rows)
 
 
-def _flex_mask_mod(problem: Problem, q_rows: int, q_offsets: torch.Tensor):
-    """The document mask (plus the block pattern for block / block-sparse) as a flex mask_mod."""
+def _flex_mask_mod(problem: Problem, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, q_rows: int):
+    """The document mask of the sequences `_flex_sequences` gives (the block pattern for block-sparse
+    on top) as a flex mask_mod."""
     q_doc = _row_labels(q_offsets, q_rows)
-    kv_doc = _row_labels(problem.kv_offsets, problem.k.shape[0])
-    if problem.kind == "block":
-        q_blk = _row_labels(problem.block_offsets, q_rows)  # self-attention: one block id per row
-        return lambda b, h, q_idx, kv_idx: q_blk[q_idx] == q_blk[kv_idx]
+    kv_doc = _row_labels(kv_offsets, problem.k.shape[0])
     if problem.kind != "block_sparse":
         return lambda b, h, q_idx, kv_idx: q_doc[q_idx] == kv_doc[kv_idx]
     picked = problem.kv_block_dense  # [B, H, n_q_blocks, n_kv_blocks] bool
     # Sequence-local block number of every row, computed here so the mask_mod only gathers.
     q_block = _local_block(q_offsets, q_doc)
-    kv_block = _local_block(problem.kv_offsets, kv_doc)
+    kv_block = _local_block(kv_offsets, kv_doc)
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = q_doc[q_idx] == kv_doc[kv_idx]
@@ -349,39 +347,38 @@ def document_block_mask(mask_mod, q_offsets: torch.Tensor, kv_offsets: torch.Ten
                      BLOCK_SIZE=(FLEX_SPARSE_BLOCK, FLEX_SPARSE_BLOCK), mask_mod=mask_mod)
 
 
-def _flex_block_mask(flex, problem: Problem, mask_mod, q_offsets: torch.Tensor, q_rows: int):
-    """The block mask for the problem's kind; the block kind is a document mask over its 64-token
-    blocks. Block-sparse keeps `create_block_mask`: its selection differs per head and is small."""
+def _flex_block_mask(flex, problem: Problem, mask_mod, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
+                     q_rows: int):
+    """The block mask: a document mask built from the offsets, except for block-sparse, which keeps
+    `create_block_mask` (its selection differs per head, and its problems are small)."""
     kv_rows = problem.k.shape[0]
     if problem.kind == "block_sparse":
         return flex.create_block_mask(mask_mod, None, problem.heads, q_rows, kv_rows, device=problem.q.device,
                                       _compile=True)
-    if problem.kind == "block":
-        return document_block_mask(mask_mod, problem.block_offsets, problem.block_offsets, q_rows, kv_rows)
-    return document_block_mask(mask_mod, q_offsets, problem.kv_offsets, q_rows, kv_rows)
+    return document_block_mask(mask_mod, q_offsets, kv_offsets, q_rows, kv_rows)
 
 
-def _flex_query(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """(packed q, its offsets, notes): flex has no broadcast-Q, so pma gets its Q expanded per batch."""
-    if problem.kind != "pma":
-        return problem.q, problem.q_offsets, []
-    q = problem.q.detach().repeat(problem.batch, 1, 1).requires_grad_(problem.q.requires_grad)
-    q_offsets = torch.arange(problem.batch + 1, device=q.device, dtype=torch.int32) * problem.q.shape[0]
-    return q, q_offsets, [EXPANDED_Q_NOTE]
+def _flex_sequences(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """(packed q, q offsets, kv offsets, notes) of the sequences flex masks to, as the varlen peers
+    get them: broadcast-Q expanded per batch, and the block kind's 64-token blocks as sequences."""
+    if problem.kind == "block_sparse":
+        return problem.q, problem.q_offsets, problem.kv_offsets, []
+    args = _varlen_args(problem, "flex")
+    return args.q, args.cu_q, args.cu_kv, args.notes
 
 
 def build_flex(problem: Problem) -> ProviderRun:
     """FlexAttention with a document mask; run only by scripts/flex_worker.py (stock Triton)."""
     _require_kind(problem, "flex", ("jagged", "pma", "dense", "block", "block_sparse"))
     flex = _import("torch.nn.attention.flex_attention", "flex")
-    q_src, q_offsets, notes = _flex_query(problem)
+    q_src, q_offsets, kv_offsets, notes = _flex_sequences(problem)
 
     def to_1htd(t: torch.Tensor) -> torch.Tensor:
         return t.detach().transpose(0, 1).contiguous().unsqueeze(0).requires_grad_(t.requires_grad)
 
     q, k, v = to_1htd(q_src), to_1htd(problem.k), to_1htd(problem.v)
-    mask_mod = _flex_mask_mod(problem, q.shape[2], q_offsets)
-    block_mask = _flex_block_mask(flex, problem, mask_mod, q_offsets, q.shape[2])
+    mask_mod = _flex_mask_mod(problem, q_offsets, kv_offsets, q.shape[2])
+    block_mask = _flex_block_mask(flex, problem, mask_mod, q_offsets, kv_offsets, q.shape[2])
     compiled = torch.compile(flex.flex_attention, dynamic=False)
     if problem.kind == "block_sparse":
         notes.append("mask via create_block_mask(_compile=True); flex_attention under torch.compile")

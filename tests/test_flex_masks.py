@@ -71,10 +71,10 @@ def _cases():
 
 def flex_masks(problem: bench.Problem):
     """(ours, flex's reference BlockMask, q rows, kv rows), both built for the provider's mask_mod."""
-    q, q_offsets, _ = providers._flex_query(problem)
+    q, q_offsets, kv_offsets, _ = providers._flex_sequences(problem)
     q_rows, kv_rows = q.shape[0], problem.k.shape[0]
-    mask_mod = providers._flex_mask_mod(problem, q_rows, q_offsets)
-    ours = providers._flex_block_mask(flex, problem, mask_mod, q_offsets, q_rows)
+    mask_mod = providers._flex_mask_mod(problem, q_offsets, kv_offsets, q_rows)
+    ours = providers._flex_block_mask(flex, problem, mask_mod, q_offsets, kv_offsets, q_rows)
     theirs = flex.create_block_mask(mask_mod, None, None, q_rows, kv_rows, device="cpu", _compile=False)
     return ours, theirs, q_rows, kv_rows
 
@@ -171,8 +171,9 @@ def test_block_sparse_still_uses_create_block_mask():
                                       kv_len=None, q_len=None, density=0.5, dtype="float32"), "cpu", 0)
     calls = []
     fake_flex = types.SimpleNamespace(create_block_mask=lambda *args, **kw: calls.append((args, kw)))
-    mask_mod = providers._flex_mask_mod(problem, problem.q.shape[0], problem.q_offsets)
-    providers._flex_block_mask(fake_flex, problem, mask_mod, problem.q_offsets, problem.q.shape[0])
+    q, q_offsets, kv_offsets, _ = providers._flex_sequences(problem)
+    mask_mod = providers._flex_mask_mod(problem, q_offsets, kv_offsets, q.shape[0])
+    providers._flex_block_mask(fake_flex, problem, mask_mod, q_offsets, kv_offsets, q.shape[0])
     [(args, kw)] = calls
     assert args == (mask_mod, None, problem.heads, problem.q.shape[0], problem.k.shape[0])
     assert kw["_compile"] is True
@@ -183,7 +184,7 @@ def test_block_sparse_still_uses_create_block_mask():
 def test_attention_through_tiles_matches_reference(kind, q_lens, kv_lens):
     problem = problem_for(kind, q_lens, kv_lens)
     ours, _, _, _ = flex_masks(problem)
-    q, _, _ = providers._flex_query(problem)
+    q, _, _, _ = providers._flex_sequences(problem)
     out = attention_through_tiles(ours, q.detach(), problem.k.detach(), problem.v.detach())
     expected = reference_out(problem).detach()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -194,7 +195,7 @@ def test_eager_flex_attention_matches_reference(kind, q_lens, kv_lens):
     """flex_attention itself accepts the narrow tables; eager it applies mask_mod to every pair."""
     problem = problem_for(kind, q_lens, kv_lens)
     ours, _, _, _ = flex_masks(problem)
-    q, _, _ = providers._flex_query(problem)
+    q, _, _, _ = providers._flex_sequences(problem)
 
     def to_1htd(t: torch.Tensor) -> torch.Tensor:
         return t.detach().transpose(0, 1).unsqueeze(0)
