@@ -330,8 +330,10 @@ def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
 
 
 def _backward_step(run: ProviderRun, grad_out: torch.Tensor) -> Callable[[], None]:
+    """Forward + backward; the gradients are returned, not accumulated into `.grad` (do_bench's
+    first calls do not reset it, and a nested-tensor leaf cannot accumulate)."""
     def step() -> None:
-        run.forward().backward(grad_out)
+        torch.autograd.grad(run.forward(), run.grad_inputs, grad_out, allow_unused=True)
     return step
 
 
@@ -383,13 +385,13 @@ def measure_provider(case: dict, provider: str, builder: Callable, problems: lis
     try:
         runs = [builder(problem) for problem in problems]
         extra["notes"] = runs[0].notes
-        with torch.no_grad():
-            first_out = runs[0].forward()
-        extra.update(check_output(problems[0], runs[0].to_packed(first_out)))
+        with torch.no_grad():  # one output per input set: a nested-tensor output's shape is its own
+            outs = [run.forward() for run in runs]
+        extra.update(check_output(problems[0], runs[0].to_packed(outs[0])))
         fwd = _rotating([run.forward for run in runs])
         fwd_bwd, grads = None, []
         if runs[0].no_backward is None:
-            grad_outs = [torch.randn_like(first_out) for _ in runs]
+            grad_outs = [torch.randn_like(out) for out in outs]
             fwd_bwd = _rotating([_backward_step(run, g) for run, g in zip(runs, grad_outs)])
             grads = [t for run in runs for t in run.grad_inputs]
         warm_up = fwd_bwd or fwd

@@ -193,28 +193,61 @@ def build_fa4(problem: Problem) -> ProviderRun:
     return ProviderRun(forward, _identity, [a.q, a.k, a.v], notes=a.notes)
 
 
-# ---- SDPA (dense only) -------------------------------------------------------------------------
+# ---- SDPA: dense layout, or nested (jagged) tensors -------------------------------------------
+SDPA_KINDS = ("dense", "jagged", "pma")
+# cuDNN's nested-tensor SDPA arrived forward-only and behind TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1
+# (pytorch#141178; scripts/bench_gpu.sh sets it): its jagged rows time the forward only.
+CUDNN_NESTED_NO_BACKWARD = "unavailable: cuDNN's nested-tensor SDPA is forward-only"
+
+
 def _build_sdpa(problem: Problem, backend_name: str, provider: str) -> ProviderRun:
-    _require_kind(problem, provider, ("dense",))
+    _require_kind(problem, provider, SDPA_KINDS)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
+    if problem.kind == "dense":
+        leaves, views, to_packed, notes = _sdpa_dense(problem)
+        no_backward = None
+    else:
+        leaves, views, to_packed, notes = _sdpa_nested(problem, provider)
+        no_backward = CUDNN_NESTED_NO_BACKWARD if backend_name == "CUDNN_ATTENTION" else None
+
+    def forward() -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(*views)
+
+    return ProviderRun(forward, to_packed, list(leaves), no_backward=no_backward, notes=notes)
+
+
+def _sdpa_dense(problem: Problem):
+    """Equal-length sequences as `[B, H, N, D]` tensors (the layout SDPA's backends are built for)."""
     batch, seq = problem.batch, problem.max_q
 
     def to_bhnd(t: torch.Tensor) -> torch.Tensor:
         dense = t.detach().reshape(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
         return dense.requires_grad_(t.requires_grad)
 
-    q, k, v = to_bhnd(problem.q), to_bhnd(problem.k), to_bhnd(problem.v)
-
-    def forward() -> torch.Tensor:
-        with sdpa_kernel([backend]):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-
     def to_packed(out: torch.Tensor) -> torch.Tensor:
         return out.transpose(1, 2).reshape(batch * seq, out.shape[1], out.shape[3])
 
-    return ProviderRun(forward, to_packed, [q, k, v], notes=["[B, H, N, D] layout made outside the timed region"])
+    leaves = tuple(to_bhnd(t) for t in (problem.q, problem.k, problem.v))
+    return leaves, leaves, to_packed, ["[B, H, N, D] layout made outside the timed region"]
+
+
+def _sdpa_nested(problem: Problem, provider: str):
+    """Jagged sequences as nested tensors over the packed rows (no padding, no copy but the
+    broadcast-Q expansion): leaves `[B, j, H, D]` and the `[B, H, j, D]` views SDPA takes, made once
+    outside the timed region; SDPA reads their offsets."""
+    args = _varlen_args(problem, provider)
+    leaves = tuple(torch.nested.nested_tensor_from_jagged(t.detach(), offsets.to(torch.int64))
+                   .requires_grad_(t.requires_grad)
+                   for t, offsets in ((args.q, args.cu_q), (args.k, args.cu_kv), (args.v, args.cu_kv)))
+
+    def to_packed(out: torch.Tensor) -> torch.Tensor:
+        return out.transpose(1, 2).values()
+
+    return (leaves, tuple(t.transpose(1, 2) for t in leaves), to_packed,
+            args.notes + ["nested jagged tensors (torch.nested, layout=jagged)"])
 
 
 def build_sdpa_cudnn(problem: Problem) -> ProviderRun:

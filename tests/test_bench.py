@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jfa import bench, reference, specs
+from jfa import bench, providers, reference, specs
 from jfa.providers import PROVIDERS, ProviderRun, ProviderUnavailable
 
 FIXTURE = Path(__file__).parent / "data" / "bench_fake_run.json"
@@ -255,8 +255,27 @@ def test_jfa_never_times_the_reference_fallback():
     assert not rows[0]["ok"] and rows[0]["error"].startswith("unavailable: jfa forward would run the reference")
 
 
-@pytest.mark.parametrize("provider, kind", [("fa2", "block_sparse"), ("fa2", "fp8"), ("sdpa_flash", "jagged"),
-                                            ("sdpa_cudnn", "pma")])
+@pytest.mark.parametrize("kind, extra", [("jagged", {}), ("jagged", {"kv_len": 24}), ("pma", {"q_len": 6}),
+                                         ("dense", {})])
+def test_sdpa_plumbing_is_right_with_the_math_backend(kind, extra):
+    """The nested-tensor (and dense) layouts of the SDPA peers, run by the one backend the CPU has."""
+    case = small_case(kind, dtype="float32", **extra)
+    problems = bench.build_problems(case, "cpu")
+
+    def sdpa_math(problem):
+        return providers._build_sdpa(problem, "MATH", "sdpa_math")
+
+    rows = bench.measure_provider(case, "sdpa_math", sdpa_math, problems, ["fwd", "bwd"], FakeTimer())
+    assert all(r["ok"] for r in rows), [r["error"] for r in rows]
+
+
+def test_cudnn_nested_rows_are_forward_only():
+    run = PROVIDERS["sdpa_cudnn"](bench.build_problems(small_case("jagged"), "cpu")[0])
+    assert run.no_backward == providers.CUDNN_NESTED_NO_BACKWARD
+
+
+@pytest.mark.parametrize("provider, kind", [("fa2", "block_sparse"), ("fa2", "fp8"), ("sdpa_flash", "block"),
+                                            ("sdpa_cudnn", "block_sparse")])
 def test_peers_refuse_kinds_they_have_no_api_for(provider, kind):
     case = small_case(kind, q_len=4, density=0.5, dtype="float8_e4m3fn" if kind == "fp8" else "bfloat16")
     with pytest.raises(ProviderUnavailable, match=f"unavailable: {provider} has no API for the '{kind}' kind"):
