@@ -117,6 +117,7 @@ class KernelReport:
     setmaxnreg: dict  # "inc 240" / "dec 40" -> occurrences in the PTX
     instructions: dict  # INSTRUCTION_GROUPS name -> static count in the PTX
     spill_bytes: dict  # ptxas's "spill stores" / "spill loads" per thread (bytes), from `ptxas -v`
+    loops: list | None  # the SASS's innermost loops that issue MMAs (`mma_loops`); None without nvdisasm
     ptx: str | None = None
     ttgir: str | None = None
 
@@ -142,7 +143,15 @@ class KernelReport:
             lines.append(f"  {role.name:<14}{role.warps:>6}{asked:>12}{regs:>13}")
         setmaxnreg = ", ".join(f"{k} x{v}" for k, v in self.setmaxnreg.items()) or "none"
         spills = ", ".join(f"{k} {v} B" for k, v in self.spill_bytes.items())
-        lines += ["", f"  setmaxnreg in PTX: {setmaxnreg}", f"  register spills (ptxas): {spills}",
+        lines += ["", f"  setmaxnreg in PTX: {setmaxnreg}", f"  register spills (ptxas): {spills}"]
+        if self.loops is None:
+            lines.append("  MMA loops (SASS): nvdisasm not found")
+        else:
+            lines.append(f"  MMA loops (SASS, innermost): {len(self.loops)}")
+            lines += [f"    at {loop['address']:#07x}: {loop['instructions']:>5} instructions, {loop['mma']:>3} MMA, "
+                      f"spill reloads {loop['local_loads']}, spill stores {loop['local_stores']}"
+                      for loop in self.loops]
+        lines += [
                   "", "  PTX instructions (static count)"]
         lines += [f"    {group:<40}{count:>6}" for group, count in self.instructions.items()]
         return "\n".join(lines)
@@ -181,6 +190,7 @@ def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
         instructions={group: sum(n for m, n in mnemonics.items() if test(m))
                       for group, test in INSTRUCTION_GROUPS.items()},
         spill_bytes=spill_bytes(ptx, INSPECT_TARGETS[target]),
+        loops=mma_loops(kernel.asm["cubin"]),
         ptx=ptx if want_ptx else None,
         ttgir=ttgir if want_ttgir else None,
     )
@@ -231,6 +241,57 @@ def spill_bytes(ptx: str, arch: int) -> dict:
     if done.returncode != 0 or not found:
         raise KernelCompileError(f"ptxas did not report spills (exit {done.returncode}):\n{done.stderr[-2000:]}")
     return {"stores": sum(int(st) for st, _ in found), "loads": sum(int(ld) for _, ld in found)}
+
+
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(\S+)(.*?)\s*;")
+_SASS_BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def mma_loops(cubin: bytes) -> list | None:
+    """The innermost loops of the machine code that issue MMAs: where an attention kernel spends its time.
+
+    A loop is a branch back to an earlier label; innermost means no other backward branch inside it
+    (the many short barrier-polling loops hold no MMA and are left out). For each: its address,
+    instruction count, MMA instructions (HGMMA on Hopper, UTC*MMA on Blackwell) and local-memory
+    traffic (LDL / STL: register spills and their reloads). ptxas's spill total says *whether* a
+    kernel spills; this says whether the spills sit in the hot loop. None where Triton's nvdisasm is
+    not available (the GPU bundle drops it).
+    """
+    from triton.knobs import nvidia
+
+    if nvidia.nvdisasm is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    labels, code, pending = {}, [], []  # code: (address, opcode, operands)
+    for line in done.stdout.splitlines():
+        if label := _SASS_LABEL.match(line):
+            pending.append(label.group(1))
+        elif instruction := _SASS_INSTRUCTION.search(line):
+            address = int(instruction.group(1), 16)
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+            code.append((address, instruction.group(2), instruction.group(3)))
+    back_edges = [(labels[target.group(1)], address) for address, opcode, operands in code
+                  if opcode.startswith("BRA") and (target := _SASS_BRANCH_TARGET.search(operands))
+                  and labels.get(target.group(1), address) < address]
+    loops = []
+    for start, end in back_edges:
+        if any(start <= other < end for _, other in back_edges):
+            continue  # an inner loop sits inside this one
+        opcodes = [opcode for address, opcode, _ in code if start <= address <= end]
+        loop = dict(address=start, instructions=len(opcodes), mma=sum("MMA" in op for op in opcodes),
+                    local_loads=sum(op.startswith("LDL") for op in opcodes),
+                    local_stores=sum(op.startswith("STL") for op in opcodes))
+        if loop["mma"]:
+            loops.append(loop)
+    return loops
 
 
 def _fall_back_to_host_ptxas_for_blackwell() -> None:

@@ -55,6 +55,12 @@ def test_t03_wgmma_and_register_budgets():
     assert report.instructions["setmaxnreg"] > 0
     assert any(k.startswith("dec") for k in report.setmaxnreg)
     assert any(k.startswith("inc") for k in report.setmaxnreg)
+    # The GEMM's K loop is an innermost SASS loop issuing HGMMAs, one per consumer, free of spills.
+    assert report.loops and all(loop["mma"] > 0 for loop in report.loops)
+    assert all(loop["local_loads"] == loop["local_stores"] == 0 for loop in report.loops)
+    assert set(report.spill_bytes) == {"stores", "loads"}
+    text = report.to_text()
+    assert "register spills (ptxas)" in text and "MMA loops (SASS, innermost)" in text
 
 
 def test_t04_pingpong_adds_a_consumer_and_named_barrier_arrives():

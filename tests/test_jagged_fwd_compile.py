@@ -43,7 +43,7 @@ def _compile(cfg) -> dict:
     spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                                    broadcast_q=broadcast_q, heads_per_tile=heads)
     kernel = jinspect.compile_spec(spec, "sm_90")
-    return dict(ptx=kernel.asm["ptx"], shared=kernel.metadata.shared)
+    return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared)
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +97,9 @@ FORWARD_SPILL_BUDGET_BYTES = 64
 def test_benchmark_configurations_do_not_spill(compiled, cfg):
     spills = jinspect.spill_bytes(compiled[cfg]["ptx"], 90)
     assert max(spills.values()) <= FORWARD_SPILL_BUDGET_BYTES, spills
+    kv_loops = jinspect.mma_loops(compiled[cfg]["cubin"])
+    assert kv_loops, "no wgmma loop found in the SASS"
+    assert all(loop["local_loads"] == loop["local_stores"] == 0 for loop in kv_loops), kv_loops
 
 
 def test_bad_config_raises():
