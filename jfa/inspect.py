@@ -260,13 +260,15 @@ def mma_loops(cubin: bytes) -> list | None:
     """
     from triton.knobs import nvidia
 
-    if nvidia.nvdisasm is None:
+    try:
+        nvdisasm = nvidia.nvdisasm.path
+    except RuntimeError:  # Triton raises "Cannot find nvdisasm" where neither its copy nor the env's exists
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        done = subprocess.run([nvidia.nvdisasm.path, "-c", path], capture_output=True, text=True)
+        done = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
     if done.returncode != 0:
         return None
     labels, code, pending = {}, [], []  # code: (address, opcode, operands)

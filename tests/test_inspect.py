@@ -3,6 +3,7 @@ import dataclasses
 
 import pytest
 
+from jfa import inspect as jfa_inspect
 from jfa.inspect import KernelCompileError, KernelSpec, inspect
 from tutorials import t01_ws_producer_consumer as t01
 from tutorials import t03_ws_wgmma_gemm as t03
@@ -147,3 +148,14 @@ def test_sm100_uses_the_host_ptxas_where_the_wheel_lacks_ptxas_blackwell(monkeyp
     inspect_module._fall_back_to_host_ptxas_for_blackwell()
     assert os.environ["TRITON_PTXAS_BLACKWELL_PATH"] == shipped
     assert NvidiaTool.from_path(shipped) is not None
+
+
+def test_mma_loops_without_nvdisasm_is_none(monkeypatch):
+    """The GPU bundle drops Triton's binaries; the report then says the loops are unknown."""
+    from triton.knobs import nvidia
+
+    def missing(self):
+        raise RuntimeError("Cannot find nvdisasm")
+
+    monkeypatch.setattr(type(nvidia), "nvdisasm", property(missing))
+    assert jfa_inspect.mma_loops(b"") is None
