@@ -152,10 +152,10 @@ def test_sm100_uses_the_host_ptxas_where_the_wheel_lacks_ptxas_blackwell(monkeyp
 
 def test_mma_loops_without_nvdisasm_is_none(monkeypatch):
     """The GPU bundle drops Triton's binaries; the report then says the loops are unknown."""
-    from triton.knobs import nvidia
+    from triton import knobs
 
-    def missing(self):
-        raise RuntimeError("Cannot find nvdisasm")
+    def missing(self, path):
+        raise RuntimeError(f"Cannot find {self.binary}")
 
-    monkeypatch.setattr(type(nvidia), "nvdisasm", property(missing))
+    monkeypatch.setattr(knobs.env_nvidia_tool, "transform", missing)
     assert jfa_inspect.mma_loops(b"") is None
