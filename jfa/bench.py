@@ -501,7 +501,7 @@ def warm_isolated(jobs: list[tuple[dict, str]], workers: int, timeout_s: float |
             done, _ = _run_worker({"case": case, "provider": provider, "compile_only": True}, timeout_s, python)
         except subprocess.TimeoutExpired:
             return "out of time"
-        return "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr[-300:].strip()}"
+        return "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr[-STDERR_TAIL_CHARS:].strip()}"
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=workers) as pool:
