@@ -50,6 +50,13 @@ def test_quick_dense_suite(tmp_path):
     assert_rows(rows, DENSE_ALWAYS_PRESENT)
 
 
+def test_quick_sdpa_on_jagged_suites(tmp_path):
+    """SDPA through nested jagged tensors: its flash backend must run and match the reference; cuDNN's
+    nested path is experimental (forward-only, behind an environment switch), so its rows may say why not."""
+    rows = run_quick(tmp_path, ["gem", "pma"], ["sdpa_flash", "sdpa_cudnn"])
+    assert_rows(rows, {"sdpa_flash"})
+
+
 def test_quick_flex_runs_in_its_own_process(tmp_path):
     rows = run_quick(tmp_path, ["gem"], ["flex"], passes=("fwd",))
     assert rows and all(r["params"].get("triton") or r["error"] for r in rows)
