@@ -31,7 +31,8 @@ Fused rotary backward (``ROTARY_EPILOGUE``): the same backward kernel applies th
 rotation to dQ, dK, dV while they are fp32 registers and stores them side by side into one tensor
 ``dz[M, (Hq + 2*Hkv) * D]``, which the caller multiplies by the projection weight. The rotation
 never leaves registers: the angles are loaded straight into the accumulator's layout, and each
-gradient is rotated and stored one half of its columns at a time (see ``_store_grad``).
+gradient is rotated and stored one half of its columns at a time, dK and dV sharing the angles
+(see ``_store_grads``).
 """
 from __future__ import annotations
 
@@ -101,52 +102,74 @@ def _load_fp32_in_consumer_layout(ptrs):
 
 
 @triton.jit
-def _rotary_conj(grad, sinu_ptr, sinu_row_stride, sinu_rows, first_pair, HEAD_DIM: tl.constexpr):
-    """Conjugate rotary rotation of fp32 gradient columns [64, W] whose first pair is ``first_pair``.
+def _angles(sinu_ptr, sinu_row_stride, sinu_rows, first_pair, PAIRS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(sin, cos) [64, PAIRS] of pairs first_pair.. for the given rows, in the accumulator's layout.
+
+    ``sinu_pos`` holds sin(t_i) in its first D/2 columns and cos(t_i) in its last D/2. The loads are
+    unmasked, so every index in ``sinu_rows`` must be a row of sinu_pos.
+    """
+    sin_ptrs = (sinu_ptr + sinu_rows[:, None].to(tl.int64) * sinu_row_stride
+                + first_pair + tl.arange(0, PAIRS)[None, :])
+    return _load_fp32_in_consumer_layout(sin_ptrs), _load_fp32_in_consumer_layout(sin_ptrs + HEAD_DIM // 2)
+
+
+@triton.jit
+def _rotary_conj(grad, sin, cos):
+    """Conjugate rotary rotation of fp32 gradient columns [64, 2*PAIRS] by the angles' (sin, cos).
 
     The forward rotates each column pair (2i, 2i+1) by angle t_i: x' = x*cos + rotate_every_two(x)*sin.
     Its transpose rotates by -t_i: dx_even = g_even*cos + g_odd*sin, dx_odd = g_odd*cos - g_even*sin.
-    ``sinu_pos`` holds sin(t_i) in its first D/2 columns and cos(t_i) in its last D/2. The pair split
-    and join stay in registers: a wgmma accumulator holds both columns of a pair in one thread.
-    The loads are unmasked, so every index in ``sinu_rows`` must be a row of sinu_pos.
+    The pair split and join stay in registers: a wgmma accumulator holds both columns of a pair in
+    one thread.
     """
-    PAIRS: tl.constexpr = grad.shape[1] // 2
-    g_even, g_odd = tl.split(tl.reshape(grad, [grad.shape[0], PAIRS, 2]))
-    sin_ptrs = (sinu_ptr + sinu_rows[:, None].to(tl.int64) * sinu_row_stride
-                + first_pair + tl.arange(0, PAIRS)[None, :])
-    sin = _load_fp32_in_consumer_layout(sin_ptrs)
-    cos = _load_fp32_in_consumer_layout(sin_ptrs + HEAD_DIM // 2)
+    g_even, g_odd = tl.split(tl.reshape(grad, [grad.shape[0], grad.shape[1] // 2, 2]))
     d_even = g_even * cos + g_odd * sin
     d_odd = g_odd * cos - g_even * sin
     return tl.reshape(tl.join(d_even, d_odd), [grad.shape[0], grad.shape[1]])
 
 
 @triton.jit
-def _store_grad(out_ptr, row_stride, col0, row0, real_rows, grad, sinu_ptr, sinu_row_stride,
-                HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
-    """Store an fp32 [64, D] gradient in the output's dtype, conjugate-rotated first if ROTARY.
+def _halves(grad, HALF: tl.constexpr):
+    """The left and right column halves of a [64, 2*HALF] accumulator (a register-only split)."""
+    return tl.split(tl.permute(tl.reshape(grad, [BLOCK, 2, HALF]), [0, 2, 1]))
 
-    One half of the columns at a time (a register-only split of the accumulator): while dK, dV
-    and dQ are all live, the angles of a whole tile (64 fp32 registers a thread at D=128) would
-    spill; for one half they fit, and the second half's loads cannot be hoisted above the first
-    half's store. Without rotary the halves still hold less at once on the way to the stores
-    (fewer spills at GROUP > 1). Row indices are formed here, not by the caller, so that none stay live through
-    the group loop. Rows past the sequence end take the angles of the block's last real row
-    (a row of sinu_pos) and are not stored.
+
+@triton.jit
+def _store_grads(a_ptr, b_ptr, row_stride, col0, row0, real_rows, grad_a, grad_b, sinu_ptr, sinu_row_stride,
+                 HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, PAIRED: tl.constexpr):
+    """Store fp32 [64, D] gradients (grad_a, and grad_b when PAIRED) in the outputs' dtype, conjugate-rotated
+    first if ROTARY; both go to the same rows and columns of their own tensors (dK and dV).
+
+    One half of the columns at a time (a register-only split of the accumulator): while dK, dV and
+    dQ are all live, the angles of a whole tile (64 fp32 registers a thread at D=128) would spill;
+    for one half they fit. A pair shares each half's angles: the loads are the epilogue's cost (a
+    global-load latency the warpgroup waits for), so dK and dV pay for them once. Row indices are
+    formed here, not by the caller, so that none stay live through the group loop. Rows past the
+    sequence end take the angles of the block's last real row (a row of sinu_pos) and are not stored.
     """
     offs_m = tl.arange(0, BLOCK)
     rows = row0 + offs_m
     row_ok = offs_m < real_rows
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
-    left, right = tl.split(tl.permute(tl.reshape(grad, [BLOCK, 2, HALF]), [0, 2, 1]))
+    sinu_rows = row0 + tl.minimum(offs_m, real_rows - 1)
+    a_left, a_right = _halves(grad_a, HALF)
     if ROTARY:
-        sinu_rows = row0 + tl.minimum(offs_m, real_rows - 1)
-        left = _rotary_conj(left, sinu_ptr, sinu_row_stride, sinu_rows, 0, HEAD_DIM)
-    _store_rows(out_ptr, row_stride, col0, rows, row_ok, left.to(dtype), HALF)
+        sin, cos = _angles(sinu_ptr, sinu_row_stride, sinu_rows, 0, HALF // 2, HEAD_DIM)
+        a_left = _rotary_conj(a_left, sin, cos)
+    _store_rows(a_ptr, row_stride, col0, rows, row_ok, a_left.to(a_ptr.dtype.element_ty), HALF)
+    if PAIRED:
+        b_left, b_right = _halves(grad_b, HALF)
+        if ROTARY:
+            b_left = _rotary_conj(b_left, sin, cos)
+        _store_rows(b_ptr, row_stride, col0, rows, row_ok, b_left.to(b_ptr.dtype.element_ty), HALF)
     if ROTARY:
-        right = _rotary_conj(right, sinu_ptr, sinu_row_stride, sinu_rows, HALF // 2, HEAD_DIM)
-    _store_rows(out_ptr, row_stride, col0 + HALF, rows, row_ok, right.to(dtype), HALF)
+        sin, cos = _angles(sinu_ptr, sinu_row_stride, sinu_rows, HALF // 2, HALF // 2, HEAD_DIM)
+        a_right = _rotary_conj(a_right, sin, cos)
+    _store_rows(a_ptr, row_stride, col0 + HALF, rows, row_ok, a_right.to(a_ptr.dtype.element_ty), HALF)
+    if PAIRED:
+        if ROTARY:
+            b_right = _rotary_conj(b_right, sin, cos)
+        _store_rows(b_ptr, row_stride, col0 + HALF, rows, row_ok, b_right.to(b_ptr.dtype.element_ty), HALF)
 
 
 @triton.jit
@@ -314,13 +337,12 @@ def _block_attn_bwd_kernel(
                     dk = tlx.async_dot_wait(0, dk)
                     tlx.barrier_arrive(slot_empty[slot], 1)
 
-                    _store_grad(dq_ptr, dq_row_stride, (kv_head * GROUP + g) * HEAD_DIM, row0, real_rows,
-                                dq * sm_scale, sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE)
+                    _store_grads(dq_ptr, dq_ptr, dq_row_stride, (kv_head * GROUP + g) * HEAD_DIM, row0,
+                                 real_rows, dq * sm_scale, dq, sinu_ptr, sinu_row_stride, HEAD_DIM,
+                                 ROTARY_EPILOGUE, False)
 
-                _store_grad(dk_ptr, dkv_row_stride, kv_head * HEAD_DIM, row0, real_rows, dk * sm_scale,
-                            sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE)
-                _store_grad(dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, row0, real_rows, dv,
-                            sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE)
+                _store_grads(dk_ptr, dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, row0, real_rows, dk * sm_scale,
+                             dv, sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE, True)
                 seen += NUM_CONSUMERS * GROUP
 
 
