@@ -5,6 +5,8 @@
 #                 MAX_SECONDS  budget for the whole call, shared by the suites (default 450: the device tool stops a
 #                              command at 600 s, and bundle unpacking and one last case need the rest)
 #                 PROVIDERS    comma-separated (default all)     PASSES  (default fwd,bwd)
+#                 REDO_FAILED  1: rows that failed or were unavailable are run again (after a provider
+#                              gained support or a fix); default 0 keeps them
 #                 PREWARM      compile FlexAttention for a suite's cases this many at a time before
 #                              timing them (default 6; 0 = off)
 #
@@ -22,6 +24,8 @@ budget=${MAX_SECONDS:-450}
 providers=${PROVIDERS:-all}
 passes=${PASSES:-fwd,bwd}
 prewarm=${PREWARM:-6}
+redo=()
+[ "${REDO_FAILED:-0}" = 1 ] && redo=(--redo-failed)
 quick_flag="" suffix=""
 if [ "${1:-}" = "--quick" ]; then quick_flag="--quick" suffix="-quick"; shift; fi
 suites=("$@")
@@ -52,7 +56,7 @@ for suite in "${suites[@]}"; do
   if [ ! -f "$dest/$file" ] && [ -f "results/$file" ] && [ "$dest" != "results" ]; then cp "results/$file" "$dest/$file"; fi
   echo "== $suite ($left s left) -> $dest/$file"
   python3 -m jfa bench --suite "$suite" --providers "$providers" --passes "$passes" --out "$dest/$file" \
-    --max-seconds "$left" --prewarm "$prewarm" $quick_flag 2>&1 | tee -a "$dest/bench$suffix.log" || status=1
+    --max-seconds "$left" --prewarm "$prewarm" "${redo[@]}" $quick_flag 2>&1 | tee -a "$dest/bench$suffix.log" || status=1
 done
 files=()
 for suite in "${suites[@]}"; do [ -f "$dest/bench-$suite$suffix.json" ] && files+=("$dest/bench-$suite$suffix.json"); done
