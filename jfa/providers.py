@@ -158,9 +158,15 @@ def build_jfa(problem: Problem) -> ProviderRun:
 
 
 # ---- FlashAttention 2 (PyTorch's varlen_attn), 3 and 4 ------------------------------------------
+FA2_MAX_SEQUENCES = 65535  # CUDA's limit on gridDim.y, which FA2's varlen kernels index by sequence
+
 def build_fa2(problem: Problem) -> ProviderRun:
     """FlashAttention-2 as shipped in PyTorch: `torch.nn.attention.varlen.varlen_attn`."""
     a = _varlen_args(problem, "fa2")
+    sequences = a.cu_q.numel() - 1
+    if sequences > FA2_MAX_SEQUENCES:  # the launch fails with "invalid argument" past this
+        raise ProviderUnavailable(f"fa2 launches one grid row per sequence and CUDA caps a grid's y dimension at "
+                                  f"{FA2_MAX_SEQUENCES}; this case has {sequences} sequences")
     varlen = _import("torch.nn.attention.varlen", "fa2")
     # Positional: the first seven parameters are the same in torch 2.11 and 2.13 (keywords differ).
     return ProviderRun(lambda: varlen.varlen_attn(a.q, a.k, a.v, a.cu_q, a.cu_kv, a.max_q, a.max_kv),

@@ -282,6 +282,14 @@ def test_peers_refuse_kinds_they_have_no_api_for(provider, kind):
         PROVIDERS[provider](bench.build_problems(case, "cpu")[0])
 
 
+def test_fa2_refuses_more_sequences_than_a_cuda_grid_row_holds(monkeypatch):
+    """Past gridDim.y's limit FA2's launch fails with a bare "invalid argument": the row says why instead."""
+    problem = bench.build_problems(small_case("block", max_len=150), "cpu")[0]
+    monkeypatch.setattr(providers, "FA2_MAX_SEQUENCES", problem.block_offsets.numel() - 2)
+    with pytest.raises(ProviderUnavailable, match="caps a grid's y dimension"):
+        PROVIDERS["fa2"](problem)
+
+
 # ---- rows from providers ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind, extra", [("jagged", {}), ("jagged", {"kv_len": 24}), ("pma", {"q_len": 6}),
                                          ("dense", {}), ("block", {"max_len": 150}),
