@@ -520,13 +520,15 @@ class ResultsFile:
     """`{"env": {...}, "rows": [...]}` on disk, rewritten atomically after every case.
 
     `env` is the environment of the run that created the file. When a later run with other code
-    (see PROVENANCE_KEYS) resumes it, its env is appended to `"resumed"` with `"first_row"`, the
-    index of the first row it adds: rows from there on (up to the next entry) are that run's.
+    (see PROVENANCE_KEYS) resumes it and adds rows, its env is appended to `"resumed"` with
+    `"first_row"`, the index of the first row it adds: rows from there on (up to the next entry) are
+    that run's. Dropping rows (`drop_failed`) moves the later entries' `first_row` with them.
     """
 
     def __init__(self, path: Path, env: dict):
         self.path = Path(path)
         self.data = {"env": env, "rows": []}
+        self._resumed_env = None  # recorded when this run adds its first row, after any drop
         if self.path.exists():
             self.data = json.loads(self.path.read_text())
             if not isinstance(self.data, dict) or not isinstance(self.data.get("rows"), list):
@@ -537,19 +539,23 @@ class ResultsFile:
                                  f"{env.get('gpu')!r}: write to another file")
             latest = (self.data.get("resumed") or [self.data.get("env", {})])[-1]
             if any(latest.get(k) != env.get(k) for k in PROVENANCE_KEYS):
-                self.data.setdefault("resumed", []).append(dict(env, first_row=len(self.data["rows"])))
+                self._resumed_env = env
 
     def key_set(self) -> set[tuple[str, str, str, str]]:
         return {(r["suite"], r["case"], r["provider"], r["pass"]) for r in self.data["rows"]}
 
     def drop_failed(self, suites: set[str], providers: set[str]) -> int:
-        keep = [r for r in self.data["rows"]
-                if r["ok"] or r["suite"] not in suites or r["provider"] not in providers]
-        dropped = len(self.data["rows"]) - len(keep)
-        self.data["rows"] = keep
-        return dropped
+        rows = self.data["rows"]
+        kept = [r["ok"] or r["suite"] not in suites or r["provider"] not in providers for r in rows]
+        for run in self.data.get("resumed", []):
+            run["first_row"] = sum(kept[:run["first_row"]])
+        self.data["rows"] = [r for r, keep in zip(rows, kept) if keep]
+        return len(rows) - len(self.data["rows"])
 
     def add(self, rows: list[dict]) -> None:
+        if rows and self._resumed_env is not None:
+            self.data.setdefault("resumed", []).append(dict(self._resumed_env, first_row=len(self.data["rows"])))
+            self._resumed_env = None
         self.data["rows"].extend(rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")

@@ -436,6 +436,28 @@ def test_resuming_with_other_code_records_its_environment(tmp_path):
     assert data["resumed"] == [dict(second, first_row=2)]
 
 
+def test_redoing_failed_rows_keeps_every_run_pointing_at_its_rows(tmp_path):
+    out = tmp_path / "r.json"
+    first = {"gpu": "G", "commit": "aaa"}
+    row = lambda i, ok: {"suite": "s", "case": f"c{i}", "provider": "p", "pass": "fwd", "ok": ok}
+    bench.ResultsFile(out, first).add([row(0, True), row(1, False)])
+    second = dict(first, commit="bbb")
+    bench.ResultsFile(out, second).add([row(2, False), row(3, True)])
+    third = bench.ResultsFile(out, dict(first, commit="ccc"))
+    assert third.drop_failed({"s"}, {"p"}) == 2
+    third.add([row(1, True), row(2, True)])
+    data = json.loads(out.read_text())
+    assert [r["case"] for r in data["rows"]] == ["c0", "c3", "c1", "c2"]
+    assert [(run["commit"], run["first_row"]) for run in data["resumed"]] == [("bbb", 1), ("ccc", 2)]
+
+
+def test_a_resumed_run_that_adds_nothing_is_not_recorded(tmp_path):
+    out = tmp_path / "r.json"
+    bench.ResultsFile(out, {"gpu": "G", "commit": "aaa"}).add([{"row": 0}])
+    bench.ResultsFile(out, {"gpu": "G", "commit": "bbb"}).add([])
+    assert "resumed" not in json.loads(out.read_text())
+
+
 # ---- the flex worker plumbing -------------------------------------------------------------------------
 def test_isolated_env_drops_the_bundles():
     env = bench.isolated_env({"PYTHONPATH": "/tmp/gpu-site:/tmp/triton-tlx:/repo", "EXTRA_SITE_DIRS": "/tmp/x",
