@@ -41,8 +41,10 @@ CONFIGS = [
     (64, BF16, False, None, False, TMA),
     (128, BF16, True, 32, True, TMA),
 ]
-DQ_CONFIGS = [(128, BF16, False, None, False), (64, FP16, True, 32, False), (128, BF16, False, None, True),
-              (128, BF16, True, 32, True)]
+# (head_dim, dtype, causal, window, broadcast_q, shape): the deterministic dQ kernel, both shapes.
+DQ_CASES = [(128, BF16, False, None, False, "long"), (128, BF16, False, None, False, "short"),
+            (64, FP16, True, 32, False, "long"), (64, FP16, True, 32, False, "short"),
+            (128, BF16, False, None, True, "long"), (128, BF16, True, 32, True, "short")]
 
 
 def _config_id(cfg):
@@ -66,16 +68,16 @@ def _compile(job) -> dict:
         spec = jagged_bwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                                        broadcast_q=broadcast_q, dq_mode=dq_mode)
     else:
-        head_dim, dtype, causal, window, broadcast_q = cfg
+        head_dim, dtype, causal, window, broadcast_q, shape = cfg
         spec = jagged_bwd.dq_inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
-                                          broadcast_q=broadcast_q)
+                                          broadcast_q=broadcast_q, config=shape)
     return _compile_spec(spec)
 
 
 @pytest.fixture(scope="session")
 def compiled():
     """All configurations compiled once per session, in parallel on every core."""
-    jobs = [("tlx", c) for c in CONFIGS] + [("dq", c) for c in DQ_CONFIGS]
+    jobs = [("tlx", c) for c in CONFIGS] + [("dq", c) for c in DQ_CASES]
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=context) as pool:
         return dict(zip(jobs, pool.map(_compile, jobs)))
@@ -107,7 +109,7 @@ def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
     assert (tma_reduces > 0) == (dq_mode == TMA)
 
 
-@pytest.mark.parametrize("cfg", DQ_CONFIGS, ids=[_config_id(c) for c in DQ_CONFIGS])
+@pytest.mark.parametrize("cfg", DQ_CASES, ids=[_config_id(c) for c in DQ_CASES])
 def test_deterministic_dq_kernel_compiles_without_atomics(compiled, cfg):
     ptx = compiled[("dq", cfg)]["ptx"]
     assert _count(ptx, "wgmma.mma_async") > 0  # plain Triton tl.dot becomes wgmma on sm_90
@@ -202,7 +204,7 @@ from jfa.kernels import jagged_bwd as jb
 def offsets(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
 
-def check(q_lens, kv_lens, heads_q, heads_kv, head_dim, causal, window, broadcast_q, seed):
+def check(q_lens, kv_lens, heads_q, heads_kv, head_dim, causal, window, broadcast_q, seed, config):
     gen = torch.Generator().manual_seed(seed)
     q_rows = q_lens[0] if broadcast_q else sum(q_lens)
     q = torch.randn(q_rows, heads_q, head_dim, generator=gen).half()
@@ -219,22 +221,20 @@ def check(q_lens, kv_lens, heads_q, heads_kv, head_dim, causal, window, broadcas
     scale = 1 / math.sqrt(head_dim)
     target = torch.full((len(kv_lens), *q.shape) if broadcast_q else q.shape, float("nan"),
                         dtype=torch.float32 if broadcast_q else q.dtype)
-    row_width = heads_q * head_dim
-    q_blocks = -(-max(q_lens) // jb.DQ_BLOCK_M)
-    jb._dq_kernel[(q_blocks, len(kv_lens), heads_q)](
-        q, k, v, dout, lse.detach().contiguous(), delta, target, q_off, kv_off, row_width,
-        heads_kv * head_dim, lse.shape[1], delta.stride(0), q_rows * row_width if broadcast_q else 0,
-        q_rows if broadcast_q else 0, 0 if window is None else window, heads_q // heads_kv,
-        scale * jb.LOG2E.value, scale, HEAD_DIM=head_dim, BLOCK_M=jb.DQ_BLOCK_M, BLOCK_N=jb.DQ_BLOCK_N,
-        CAUSAL=causal, HAS_WINDOW=window is not None, BROADCAST_Q=broadcast_q)
+    jb.launch_dq(q, k, v, dout, lse.detach().contiguous(), delta, target, q_off, kv_off, max(q_lens), scale,
+                 causal, window, broadcast_q, config)
     dq = target.sum(0) if broadcast_q else target.float()
     assert not torch.isnan(dq).any(), "dQ rows left unwritten"
     relerr = ((dq - dq_ref).norm() / dq_ref.norm()).item()
-    assert relerr <= specs.GRAD_RELERR, f"dQ relative error {relerr:.2e}"
+    assert relerr <= specs.GRAD_RELERR, f"dQ relative error {relerr:.2e} ({config})"
 
-check([0, 1, 63, 65, 130, 7], [0, 1, 63, 65, 130, 7], 4, 2, 64, False, None, False, 0)
-check([5, 64, 130, 0, 20], [70, 64, 20, 9, 0], 2, 2, 64, True, 16, False, 1)
-check([33] * 4, [5, 0, 70, 130], 2, 1, 64, True, None, True, 2)
+# Both kernel shapes; sequences of several 64-key tiles, so the masked head, the mask-free bulk and the
+# masked tail loops all run (windows and causal move the bulk's edges).
+for config in jb.DQ_CONFIGS:
+    check([0, 1, 63, 65, 130, 7, 300], [0, 1, 63, 65, 130, 7, 300], 4, 2, 64, False, None, False, 0, config)
+    check([5, 64, 130, 0, 20, 290], [70, 64, 20, 9, 0, 330], 2, 2, 64, True, 16, False, 1, config)
+    check([290, 140, 3], [300, 200, 3], 2, 2, 64, False, 70, False, 3, config)
+    check([33] * 4, [5, 0, 70, 130], 2, 1, 64, True, None, True, 2, config)
 print("interpreted dQ kernel ok")
 """
 
@@ -248,3 +248,16 @@ def test_deterministic_dq_kernel_interpreted_matches_reference():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "interpreted dQ kernel ok" in result.stdout
+
+
+def test_dq_kernel_shape_follows_mean_rows_per_sequence():
+    """Long sequences get the 128-row dQ blocks, short ones (and PMA q=64) the 64-row ones."""
+    long_rows = jagged_bwd.DQ_LONG_MIN_MEAN_ROWS
+    assert jagged_bwd.dq_config(1152 * 128, 1152, broadcast_q=False) == "short"  # GEM L=256, s=0.5
+    assert jagged_bwd.dq_config(1152 * long_rows, 1152, broadcast_q=False) == "long"
+    assert jagged_bwd.dq_config(64, 1152, broadcast_q=True) == "short"  # PMA q=64: rows per sequence = q_len
+    assert jagged_bwd.dq_config(256, 1152, broadcast_q=True) == "long"
+    assert jagged_bwd.dq_config(0, 0, broadcast_q=False) == "short"
+    assert set(jagged_bwd.DQ_CONFIGS) == {"short", "long"}
+    with pytest.raises(ValueError, match="config must be one of"):
+        jagged_bwd.dq_inspect_spec(config="medium")

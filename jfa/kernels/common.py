@@ -10,6 +10,8 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
   cores at once (FlashAttention-3's "ping-pong" schedule).
 - `visible_mask`: which (query, key) pairs of a score tile may attend, in sequence-local positions
   (key padding, bottom-right causal, symmetric window), exactly as docs/CONTRACTS.md defines them.
+- `visible_key_range`: the keys a block of query rows may see, and those every row of it sees (the
+  query-stationary kernels' KV loops and their mask-free bulk).
 - `online_softmax_step`: one KV tile of the streaming softmax in the exp2 domain, with the
   conditional rescale of the running maximum.
 - `finalize_rows`: the epilogue math: normalize by the row sum and form the natural-log LSE, with the
@@ -86,6 +88,29 @@ def visible_mask(rows, cols, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WI
         visible = visible & (cols[None, :] >= rows[:, None] - window)
         visible = visible & (cols[None, :] <= rows[:, None] + window)
     return visible
+
+
+@triton.jit
+def visible_key_range(row_lo, row_hi, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(kv_lo, kv_hi, full_lo, full_hi) for the query rows row_lo..row_hi (row_hi the last real one).
+
+    Keys in [kv_lo, kv_hi) are visible to some row of the block, keys in [full_lo, full_hi) to every
+    row (the latter may be empty, full_lo >= full_hi). A KV tile inside the second range needs no
+    mask: `visible_mask` would be all True there.
+    """
+    kv_lo = 0
+    kv_hi = kv_len
+    full_lo = 0
+    full_hi = kv_len
+    if CAUSAL:
+        kv_hi = tl.minimum(kv_hi, row_hi + (kv_len - q_len) + 1)
+        full_hi = tl.minimum(full_hi, row_lo + (kv_len - q_len) + 1)
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(row_lo - window, 0)
+        kv_hi = tl.minimum(kv_hi, row_hi + window + 1)
+        full_lo = tl.maximum(row_hi - window, 0)
+        full_hi = tl.minimum(full_hi, row_lo + window + 1)
+    return kv_lo, kv_hi, full_lo, full_hi
 
 
 @triton.jit

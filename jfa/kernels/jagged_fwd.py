@@ -47,7 +47,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
-                                pingpong_exit, pingpong_start, ring_slot, store_rows, visible_mask)
+                                pingpong_exit, pingpong_start, ring_slot, store_rows, visible_key_range,
+                                visible_mask)
 from jfa.schedule import build_tile_schedule
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, ping-ponging on the tensor cores
@@ -106,19 +107,8 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
         q_key = tile
     row_lo = q_block * BLOCK_M
     row_hi = tl.minimum(row_lo + BLOCK_M, q_len) - 1  # last real query row of the block
-    # [kv_lo, kv_hi): keys some row of the block sees; [full_lo, full_hi): keys every row sees.
-    kv_lo = 0
-    kv_hi = kv_len
-    full_lo = 0
-    full_hi = kv_len
-    if CAUSAL:
-        kv_hi = tl.minimum(kv_hi, row_hi + (kv_len - q_len) + 1)
-        full_hi = tl.minimum(full_hi, row_lo + (kv_len - q_len) + 1)
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(row_lo - window, 0)
-        kv_hi = tl.minimum(kv_hi, row_hi + window + 1)
-        full_lo = tl.maximum(row_hi - window, 0)
-        full_hi = tl.minimum(full_hi, row_lo + window + 1)
+    kv_lo, kv_hi, full_lo, full_hi = visible_key_range(row_lo, row_hi, q_len, kv_len, window, CAUSAL,
+                                                       HAS_WINDOW)
     first_col = (kv_lo // BLOCK_N) * BLOCK_N
     num_kv_tiles = tl.where(kv_hi > kv_lo, tl.cdiv(kv_hi - first_col, BLOCK_N), 0)
     bulk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo - first_col, BLOCK_N), 1), num_kv_tiles)
