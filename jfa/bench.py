@@ -544,13 +544,35 @@ class ResultsFile:
     def key_set(self) -> set[tuple[str, str, str, str]]:
         return {(r["suite"], r["case"], r["provider"], r["pass"]) for r in self.data["rows"]}
 
-    def drop_failed(self, suites: set[str], providers: set[str]) -> int:
-        rows = self.data["rows"]
-        kept = [r["ok"] or r["suite"] not in suites or r["provider"] not in providers for r in rows]
+    def run_env(self, index: int) -> dict:
+        """The environment of the run that recorded row `index`."""
+        env = self.data.get("env", {})
+        for run in self.data.get("resumed", []):
+            if run["first_row"] <= index:
+                env = run
+        return env
+
+    def _drop(self, drop: list[bool]) -> int:
+        """Remove the rows flagged in `drop`, moving the later runs' `first_row` with them."""
+        kept = [not flag for flag in drop]
         for run in self.data.get("resumed", []):
             run["first_row"] = sum(kept[:run["first_row"]])
-        self.data["rows"] = [r for r, keep in zip(rows, kept) if keep]
-        return len(rows) - len(self.data["rows"])
+        before = len(self.data["rows"])
+        self.data["rows"] = [r for r, keep in zip(self.data["rows"], kept) if keep]
+        return before - len(self.data["rows"])
+
+    def drop_failed(self, suites: set[str], providers: set[str]) -> int:
+        return self._drop([not r["ok"] and r["suite"] in suites and r["provider"] in providers
+                           for r in self.data["rows"]])
+
+    def drop_stale(self, suites: set[str], providers: set[str], passes: set[str], env: dict) -> int:
+        """Drop the selected rows that a run with other code or versions (PROVENANCE_KEYS) recorded.
+
+        Rows this code already measured stay, so an interrupted re-measurement resumes.
+        """
+        return self._drop([r["suite"] in suites and r["provider"] in providers and r["pass"] in passes
+                           and any(self.run_env(i).get(k) != env.get(k) for k in PROVENANCE_KEYS)
+                           for i, r in enumerate(self.data["rows"])])
 
     def add(self, rows: list[dict]) -> None:
         if rows and self._resumed_env is not None:
@@ -578,7 +600,7 @@ def _progress(stream: TextIO, done: int, total: int, elapsed: float, label: str,
 
 
 def run_bench(suites: list[str], providers: list[str], passes: list[str], out: Path, *, quick: bool = False,
-              max_seconds: float | None = None, redo_failed: bool = False, device="cuda",
+              max_seconds: float | None = None, redo_failed: bool = False, rerun: bool = False, device="cuda",
               timer: Timer = do_bench_median, registry: dict | None = None,
               isolated: frozenset[str] = ISOLATED_PROVIDERS, env: dict | None = None,
               clock: Callable[[], float] = time.monotonic, stream: TextIO = sys.stderr,
@@ -586,7 +608,8 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
     """Run what `out` lacks; return True when every (case, provider, pass) is in the file.
 
     With `prewarm_workers`, the isolated providers' cases still to do are first compiled that many at
-    a time in parallel (`warm_isolated`), inside the same `max_seconds`.
+    a time in parallel (`warm_isolated`), inside the same `max_seconds`. `rerun` measures again the
+    rows of these suites, providers and passes that other code recorded (after a kernel change).
     """
     if env is None:
         from jfa.envinfo import environment
@@ -595,6 +618,9 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
     results = ResultsFile(out, env)
     if redo_failed:
         results.drop_failed(set(suites), set(providers))
+    if rerun:
+        dropped = results.drop_stale(set(suites), set(providers), set(passes), env)
+        print(f"bench: --rerun: {dropped} rows recorded by other code will be measured again", file=stream)
     present = results.key_set()
     todo = []
     for case in suite_cases(suites, quick):
@@ -678,6 +704,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop cleanly before starting work past this many seconds (rerun to resume)")
     parser.add_argument("--redo-failed", action="store_true",
                         help="drop failed rows of these suites/providers from --out and run them again")
+    parser.add_argument("--rerun", action="store_true",
+                        help="measure again the rows of these suites/providers/passes that other code "
+                             "(another commit or versions) recorded in --out; resumable")
     parser.add_argument("--prewarm", type=int, default=0, metavar="N",
                         help="first compile FlexAttention for every case to do, N processes at a time "
                              "(untimed), so the timed runs hit the compile caches (default 0: off)")
@@ -692,7 +721,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         complete = run_bench(args.suite, args.providers, args.passes, args.out, quick=args.quick,
-                             max_seconds=args.max_seconds, redo_failed=args.redo_failed,
+                             max_seconds=args.max_seconds, redo_failed=args.redo_failed, rerun=args.rerun,
                              prewarm_workers=args.prewarm)
     except ValueError as exc:
         print(f"bench: {exc}", file=sys.stderr)

@@ -7,6 +7,8 @@
 #                 PROVIDERS    comma-separated (default all)     PASSES  (default fwd,bwd)
 #                 REDO_FAILED  1: rows that failed or were unavailable are run again (after a provider
 #                              gained support or a fix); default 0 keeps them
+#                 RERUN        1: rows of these suites/PROVIDERS/PASSES recorded by other code (another
+#                              commit) are measured again, e.g. after a kernel change; resumable
 #                 PREWARM      compile FlexAttention for a suite's cases this many at a time before
 #                              timing them (default 6; 0 = off)
 #
@@ -26,6 +28,7 @@ passes=${PASSES:-fwd,bwd}
 prewarm=${PREWARM:-6}
 redo=()
 [ "${REDO_FAILED:-0}" = 1 ] && redo=(--redo-failed)
+[ "${RERUN:-0}" = 1 ] && redo+=(--rerun)
 quick_flag="" suffix=""
 if [ "${1:-}" = "--quick" ]; then quick_flag="--quick" suffix="-quick"; shift; fi
 suites=("$@")

@@ -451,6 +451,27 @@ def test_redoing_failed_rows_keeps_every_run_pointing_at_its_rows(tmp_path):
     assert [(run["commit"], run["first_row"]) for run in data["resumed"]] == [("bbb", 1), ("ccc", 2)]
 
 
+def test_rerun_measures_rows_of_other_code_again_and_resumes(tmp_path):
+    out = tmp_path / "r.json"
+    row = lambda case, provider, pass_: {"suite": "s", "case": case, "provider": provider, "pass": pass_, "ok": True}
+    old = {"gpu": "G", "commit": "aaa"}
+    bench.ResultsFile(out, old).add([row("c0", "p", "fwd"), row("c0", "p", "bwd"), row("c0", "q", "bwd"),
+                                     row("c1", "p", "bwd")])
+    new = dict(old, commit="bbb")
+    results = bench.ResultsFile(out, new)
+    assert results.drop_stale({"s"}, {"p"}, {"bwd"}, new) == 2  # p's bwd rows; p fwd and q stay
+    results.add([row("c0", "p", "bwd")])  # interrupted after one case
+    again = bench.ResultsFile(out, dict(new))
+    assert again.drop_stale({"s"}, {"p"}, {"bwd"}, dict(new)) == 0  # this code's row is kept
+    again.add([row("c1", "p", "bwd")])
+    data = json.loads(out.read_text())
+    assert [(r["case"], r["provider"], r["pass"]) for r in data["rows"]] == [
+        ("c0", "p", "fwd"), ("c0", "q", "bwd"), ("c0", "p", "bwd"), ("c1", "p", "bwd")]
+    assert [(run["commit"], run["first_row"]) for run in data["resumed"]] == [("bbb", 2)]
+    assert bench.ResultsFile(out, new).run_env(0)["commit"] == "aaa"
+    assert bench.ResultsFile(out, new).run_env(3)["commit"] == "bbb"
+
+
 def test_a_resumed_run_that_adds_nothing_is_not_recorded(tmp_path):
     out = tmp_path / "r.json"
     bench.ResultsFile(out, {"gpu": "G", "commit": "aaa"}).add([{"row": 0}])
