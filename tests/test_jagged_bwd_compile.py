@@ -250,14 +250,18 @@ def test_deterministic_dq_kernel_interpreted_matches_reference():
     assert "interpreted dQ kernel ok" in result.stdout
 
 
-def test_dq_kernel_shape_follows_mean_rows_per_sequence():
-    """Long sequences get the 128-row dQ blocks, short ones (and PMA q=64) the 64-row ones."""
-    long_rows = jagged_bwd.DQ_LONG_MIN_MEAN_ROWS
-    assert jagged_bwd.dq_config(1152 * 128, 1152, broadcast_q=False) == "short"  # GEM L=256, s=0.5
-    assert jagged_bwd.dq_config(1152 * long_rows, 1152, broadcast_q=False) == "long"
-    assert jagged_bwd.dq_config(64, 1152, broadcast_q=True) == "short"  # PMA q=64: rows per sequence = q_len
-    assert jagged_bwd.dq_config(256, 1152, broadcast_q=True) == "long"
-    assert jagged_bwd.dq_config(0, 0, broadcast_q=False) == "short"
+def test_dq_kernel_shape_follows_mean_sequence_lengths():
+    """Many query rows and many keys per sequence get the 128-row dQ blocks, the rest the 64-row ones."""
+    rows, keys = jagged_bwd.DQ_LONG_MIN_MEAN_ROWS, jagged_bwd.DQ_LONG_MIN_MEAN_KEYS
+    b = 1152
+    assert jagged_bwd.dq_config(b * 128, b * 128, b, broadcast_q=False) == "short"  # GEM L=256, s=0.5
+    assert jagged_bwd.dq_config(b * 256, b * 256, b, broadcast_q=False) == "short"  # GEM L=256, s=1
+    assert jagged_bwd.dq_config(b * 512, b * 512, b, broadcast_q=False) == "long"  # GEM L=512, s=1
+    assert jagged_bwd.dq_config(b * rows, b * keys, b, broadcast_q=False) == "long"
+    assert jagged_bwd.dq_config(b * rows, b * keys - 1, b, broadcast_q=False) == "short"
+    assert jagged_bwd.dq_config(64, b * 1024, b, broadcast_q=True) == "short"  # PMA q=64: rows = q_len
+    assert jagged_bwd.dq_config(256, b * 1024, b, broadcast_q=True) == "long"  # PMA q=256
+    assert jagged_bwd.dq_config(0, 0, 0, broadcast_q=False) == "short"
     assert set(jagged_bwd.DQ_CONFIGS) == {"short", "long"}
     with pytest.raises(ValueError, match="config must be one of"):
         jagged_bwd.dq_inspect_spec(config="medium")

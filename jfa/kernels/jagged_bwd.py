@@ -79,16 +79,20 @@ TUNING = {
 }
 # The deterministic dQ kernel is plain Triton (no warp specialization), in one of two shapes: query
 # rows per program, keys per step, warps and software-pipeline stages. Measured on the H200
-# (results/dq-configs-20261129T1350Z.json): 128-row blocks, 8 warps and a 3-stage K/V pipeline ran
-# 10-17% faster than 64-row blocks once sequences have a few hundred rows (dense 3.34 -> 2.93 ms,
-# GEM L=2048 s=1 32.6 -> 27.2 ms); on short ones most of a 128-row block is padding and the 64-row
-# shape wins (GEM L=256 s=0.5 0.378 against 0.446 ms, PMA q=64 0.76 against 0.97 ms). Of the long
-# shape's gain, the mask-free bulk loop is about half (dense 3.21 -> 2.93 ms with the same shape).
+# (results/dq-configs-20261129T1350Z.json, same-process A/B in results/dq-shape-ab-20261129T1400Z.json):
+# 128-row blocks, 8 warps and a 3-stage K/V pipeline are 8-10% faster than 64-row blocks when a
+# block has many keys to walk (dense 3.24 -> 3.02 ms, GEM L=2048 s=1 31.0 -> 28.4 ms, PMA q=256 with
+# keys up to 2048); with short sequences most of a 128-row block is padding and the deeper pipeline
+# barely fills, and the 64-row shape wins (GEM L=256 s=1 0.81 against 0.86 ms, L=512 s=0.5 1.11
+# against 1.18 ms). Both walk masked head tiles, mask-free bulk tiles, masked tail tiles; the
+# mask-free bulk alone is worth 9% on the dense case (3.21 -> 2.93 ms in the probe).
 DQ_CONFIGS = {
     "short": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     "long": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
 }
-DQ_LONG_MIN_MEAN_ROWS = 192  # mean query rows per sequence from which "long" is used (1.5 of its blocks)
+# "long" from these mean query rows and mean keys per sequence on (1.5 of its query blocks; 6 key tiles)
+DQ_LONG_MIN_MEAN_ROWS = 192
+DQ_LONG_MIN_MEAN_KEYS = 384
 DELTA_BLOCK_ROWS = 64  # rows per program of the Delta preprocess
 
 
@@ -514,13 +518,15 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")
 
 
-def dq_config(q_rows: int, num_seqs: int, broadcast_q: bool) -> str:
-    """The dQ kernel shape (a DQ_CONFIGS key) for a problem, from its mean query rows per sequence.
+def dq_config(q_rows: int, kv_rows: int, num_seqs: int, broadcast_q: bool) -> str:
+    """The dQ kernel shape (a DQ_CONFIGS key) from the mean query rows and keys per sequence.
 
     Computed from the tensors' sizes on the host: no device sync on the hot path.
     """
-    mean_rows = q_rows if broadcast_q else q_rows / max(num_seqs, 1)
-    return "long" if mean_rows >= DQ_LONG_MIN_MEAN_ROWS else "short"
+    seqs = max(num_seqs, 1)
+    mean_rows = q_rows if broadcast_q else q_rows / seqs
+    long = mean_rows >= DQ_LONG_MIN_MEAN_ROWS and kv_rows / seqs >= DQ_LONG_MIN_MEAN_KEYS
+    return "long" if long else "short"
 
 
 def dq_inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
@@ -655,7 +661,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     dq_target = (torch.empty((num_seqs, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
                  if broadcast_q else dq)
     launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_seq_len_q, sm_scale, causal, window,
-              broadcast_q, dq_config(q.shape[0], num_seqs, broadcast_q))
+              broadcast_q, dq_config(q.shape[0], k.shape[0], num_seqs, broadcast_q))
     if broadcast_q:
         dq.copy_(dq_target.sum(0))
     return dq, dk, dv
