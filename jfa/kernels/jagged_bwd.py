@@ -71,12 +71,18 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # BLOCK_N keys per tile (BLOCK_N/2 per consumer), BLOCK_M query rows per streamed block, ring depths
 # and the consumers' setmaxnreg budget. A consumer holds dK and dV ([64, D] fp32 each) plus the dQ
 # piece, so it needs most of the register file: 2 x 240 + producer 24 (x128 threads) <= 64K.
-# Shared memory at D=128 bf16: K,V 2x32 KB + Q,dO ring 2x(16+16) KB + dS^T staging 2x8 KB = 144 KB,
-# plus 2x32 KB of fp32 dQ staging in the tma_reduce mode (224 KB with the compiler's scratch).
+# Shared memory at D=128 bf16: K,V 2 slots x 2x32 KB + Q,dO ring 2x(16+16) KB + dS^T staging 2x8 KB
+# = 208 KB. A second K/V slot lets the next tile's keys land while this tile's last query blocks
+# run: 6-10% faster on every measured shape than one slot (results/bwd-tuning-20261129T1405Z.json:
+# dense 7.76 -> 7.22 ms, GEM L=2048 s=1 70.1 -> 66.1, PMA q=256 6.30 -> 5.70); deeper Q/dO rings
+# gained nothing. The fused dQ modes have room for one K/V slot only: tma_reduce stages 2x32 KB of
+# fp32 dQ, and the atomic mode's layout change for its atomics takes as much compiler scratch.
 TUNING = {
     64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
-    128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=1, CONSUMER_REGISTERS=240),
+    128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
 }
+FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1)}  # overrides of TUNING in the atomic and tma_reduce modes
+
 # The deterministic dQ kernel is plain Triton (no warp specialization), in one of two shapes: query
 # rows per program, keys per step, warps and software-pipeline stages. Measured on the H200
 # (results/dq-configs-20261129T1350Z.json, same-process A/B in results/dq-shape-ab-20261129T1400Z.json):
@@ -492,8 +498,11 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
         raise ValueError(f"head_dim must be one of {sorted(TUNING)}, got {head_dim}")
     if dtype not in _TRITON_DTYPE_NAMES:
         raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
+    tuning = dict(TUNING[head_dim])
+    if dq_mode != "separate":
+        tuning.update(FUSED_DQ_TUNING.get(head_dim, {}))
     return dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
-                BROADCAST_Q=bool(broadcast_q), DQ_MODE=DQ_MODES[dq_mode], **TUNING[head_dim])
+                BROADCAST_Q=bool(broadcast_q), DQ_MODE=DQ_MODES[dq_mode], **tuning)
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
