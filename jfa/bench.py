@@ -553,12 +553,17 @@ class ResultsFile:
         return env
 
     def _drop(self, drop: list[bool]) -> int:
-        """Remove the rows flagged in `drop`, moving the later runs' `first_row` with them."""
+        """Remove the rows flagged in `drop`, moving the later runs' `first_row` with them; a resumed
+        run left with no rows is forgotten."""
         kept = [not flag for flag in drop]
-        for run in self.data.get("resumed", []):
+        runs = self.data.get("resumed", [])
+        for run in runs:
             run["first_row"] = sum(kept[:run["first_row"]])
         before = len(self.data["rows"])
         self.data["rows"] = [r for r, keep in zip(self.data["rows"], kept) if keep]
+        if runs:
+            ends = [run["first_row"] for run in runs[1:]] + [len(self.data["rows"])]
+            self.data["resumed"] = [run for run, end in zip(runs, ends) if end > run["first_row"]]
         return before - len(self.data["rows"])
 
     def drop_failed(self, suites: set[str], providers: set[str]) -> int:

@@ -470,6 +470,12 @@ def test_rerun_measures_rows_of_other_code_again_and_resumes(tmp_path):
     assert [(run["commit"], run["first_row"]) for run in data["resumed"]] == [("bbb", 2)]
     assert bench.ResultsFile(out, new).run_env(0)["commit"] == "aaa"
     assert bench.ResultsFile(out, new).run_env(3)["commit"] == "bbb"
+    newer = dict(new, commit="ccc")  # re-measuring every row of bbb's run leaves that run no rows
+    results = bench.ResultsFile(out, newer)
+    assert results.drop_stale({"s"}, {"p"}, {"bwd"}, newer) == 2
+    results.add([row("c0", "p", "bwd"), row("c1", "p", "bwd")])
+    data = json.loads(out.read_text())
+    assert [(run["commit"], run["first_row"]) for run in data["resumed"]] == [("ccc", 2)]
 
 
 def test_a_resumed_run_that_adds_nothing_is_not_recorded(tmp_path):
