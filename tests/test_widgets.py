@@ -243,3 +243,13 @@ def test_the_committed_bwd_timing_recording_is_labeled():
     line = jw.recording_line(rec)
     assert rec.env["commit"] in line and rec.doc["source"] in line
     assert jw.dq_strategy_rows(rec.doc), "no timing rows in the recording"
+
+
+def test_deal_tiles_zigzags_like_the_forward_kernel():
+    """Turn 0 deals left to right, turn 1 right to left: each long draw is paired with a short one."""
+    assert jw.deal_tiles([6, 5, 4, 3, 2, 1, 0], 3) == [[6, 1, 0], [5, 2], [4, 3]]
+    longest_first = sorted(range(1, 101), reverse=True)
+    sums = [sum(t) for t in jw.deal_tiles(longest_first, 10)]
+    assert max(sums) - min(sums) <= 10  # strided dealing would leave a gap of 90
+    with pytest.raises(ValueError, match="n_programs"):
+        jw.deal_tiles([1], 0)

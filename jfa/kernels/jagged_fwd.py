@@ -9,8 +9,8 @@ visible key range. Short queries (every sequence <= 64 rows, e.g. broadcast-Q wi
 leave the second consumer with padding only, so there a tile is (b, 64 rows, heads h and h+1):
 each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
 The list of (sequence, query block) entries is built on the GPU (`jfa.schedule`), sorted by KV
-work, longest first; tile t is head (pair) `t // entries`, entry `t % entries`, and a persistent
-grid of one program per SM strides through the tiles.
+work, longest first; tile t is entry `t // G`, head (pair) `t % G` of the G head groups, and a
+persistent grid of one program per SM deals the tiles in zigzag turns (`common.zigzag_tile`).
 
 Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
 - producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, one half
@@ -30,10 +30,11 @@ inside the window for every row of the block) run without mask arithmetic; only 
 the edge tiles (window start, causal diagonal, window end, sequence end) pay for it.
 
 Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
-kept while the program's consecutive tiles have the same (query block, head): always when q_len
-fits one tile and most of the time otherwise (tiles t and t+P share the head and, when P is a
-multiple of the query blocks per sequence, the block). Output rows of sequence b start at `b*q_len`.
-Q is never copied per sequence.
+kept while the program's consecutive tiles have the same (query block, head). Under the zigzag deal
+consecutive tiles of a program are an odd distance apart, so with several head groups the head
+changes and Q is loaded again: a few tens of KB per tile against the ~1 MB of K/V it streams, and
+from L2, where the one shared Q stays. Output rows of sequence b start at `b*q_len`. Q is never
+copied per sequence.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from jfa import specs
 from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
                                 pingpong_exit, pingpong_start, ring_slot, store_rows, visible_key_range,
-                                visible_mask)
+                                visible_mask, zigzag_tile, zigzag_turns)
 from jfa.schedule import build_tile_schedule
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, ping-ponging on the tensor cores
@@ -74,7 +75,7 @@ ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query 
 
 
 @triton.jit
-def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
+def _tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr,
                    num_q_heads, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
@@ -87,10 +88,13 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let the
     Q tile be reused (broadcast-Q only).
     """
-    # Head-major: the programs running at the same time work on one head's consecutive entries,
-    # i.e. on the query blocks of a few sequences, which then share their K/V tiles through L2.
-    head = (tile // num_entries) * HEADS_PER_TILE
-    entry = tl.load(tile_entries_ptr + tile % num_entries)
+    # Entry-major: the list stays sorted longest first across heads, so the zigzag deal balances it
+    # (a head-major list restarts from the longest entry for every head: 8% more work for the
+    # busiest SM on PMA q=64). The programs running at the same time still work on the query blocks
+    # of a few sequences, every head of them, which share their K/V tiles through L2.
+    head_groups = num_q_heads // HEADS_PER_TILE
+    head = (tile % head_groups) * HEADS_PER_TILE
+    entry = tl.load(tile_entries_ptr + tile // head_groups)
     seq = entry // q_blocks_per_seq
     q_block = entry % q_blocks_per_seq
     kv_start = tl.load(kv_offsets_ptr + seq)
@@ -201,10 +205,11 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            for tile in range(first_tile, num_tiles, tile_stride):
+            for turn in range(0, zigzag_turns(num_tiles, first_tile, tile_stride)):
+                tile = zigzag_tile(turn, first_tile, tile_stride)
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
-                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q)
                 if num_kv_tiles > 0:
@@ -249,10 +254,11 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            for tile in range(first_tile, num_tiles, tile_stride):
+            for turn in range(0, zigzag_turns(num_tiles, first_tile, tile_stride)):
+                tile = zigzag_tile(turn, first_tile, tile_stride)
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
-                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q)
                 first_row = row_lo + cid * ROW_STEP
