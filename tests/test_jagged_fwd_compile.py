@@ -40,8 +40,9 @@ def _config_id(cfg):
 def _compile(cfg) -> dict:
     """Compile one configuration for sm_90; returns what the checks read (picklable)."""
     head_dim, dtype, causal, window, broadcast_q, heads = cfg
+    # Two heads per tile means every sequence is one query block, where the kernel runs entry-major.
     spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
-                                   broadcast_q=broadcast_q, heads_per_tile=heads)
+                                   broadcast_q=broadcast_q, heads_per_tile=heads, entry_major=heads == 2)
     kernel = jinspect.compile_spec(spec, "sm_90")
     return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared)
 

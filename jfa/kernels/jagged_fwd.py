@@ -9,8 +9,15 @@ visible key range. Short queries (every sequence <= 64 rows, e.g. broadcast-Q wi
 leave the second consumer with padding only, so there a tile is (b, 64 rows, heads h and h+1):
 each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
 The list of (sequence, query block) entries is built on the GPU (`jfa.schedule`), sorted by KV
-work, longest first; tile t is entry `t // G`, head (pair) `t % G` of the G head groups, and a
-persistent grid of one program per SM deals the tiles in zigzag turns (`common.zigzag_tile`).
+work, longest first, and a persistent grid of one program per SM works through the tiles. Two
+orders (`ENTRY_MAJOR`): head-major, tile t = head (pair) `t // entries`, entry `t % entries`, each
+program taking every P-th tile, so that the programs running together work on one head's query
+blocks of a few sequences, which share their K/V through L2; and, when every sequence is a single
+query block (short queries, PMA q=64) and there is no K/V to share, entry-major, tile t = entry
+`t // G`, head group `t % G`, dealt in zigzag turns (`common.zigzag_tile`): the list then stays
+longest first across heads, which the zigzag deal balances (the busiest SM's excess work on PMA
+q=64 drops from 8% to 0.6%; measured 246 -> 256 TFLOP/s). For longer queries entry-major ordering
+cost more through L2 than it gained (dense 643 -> 566 TFLOP/s).
 
 Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
 - producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, one half
@@ -30,11 +37,12 @@ inside the window for every row of the block) run without mask arithmetic; only 
 the edge tiles (window start, causal diagonal, window end, sequence end) pay for it.
 
 Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
-kept while the program's consecutive tiles have the same (query block, head). Under the zigzag deal
-consecutive tiles of a program are an odd distance apart, so with several head groups the head
-changes and Q is loaded again: a few tens of KB per tile against the ~1 MB of K/V it streams, and
-from L2, where the one shared Q stays. Output rows of sequence b start at `b*q_len`. Q is never
-copied per sequence.
+kept while the program's consecutive tiles have the same (query block, head). Head-major, tiles t
+and t+P share the head and, when P is a multiple of the query blocks per sequence, the block.
+Entry-major (q_len fits one tile), consecutive tiles of a program are an odd distance apart under
+the zigzag deal, so with several head groups the head changes and Q is loaded again: tens of KB per
+tile against the ~1 MB of K/V it streams, and from L2, where the one shared Q stays. Output rows of
+sequence b start at `b*q_len`. Q is never copied per sequence.
 """
 from __future__ import annotations
 
@@ -49,7 +57,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from jfa import specs
 from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
                                 pingpong_exit, pingpong_start, ring_slot, store_rows, visible_key_range,
-                                visible_mask, zigzag_tile, zigzag_turns)
+                                visible_mask, zigzag_tile)
 from jfa.schedule import build_tile_schedule
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, ping-ponging on the tensor cores
@@ -75,10 +83,18 @@ ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query 
 
 
 @triton.jit
-def _tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr,
+def _dealt_tile(slot, num_progs, ENTRY_MAJOR: tl.constexpr):
+    """The tile behind the program's loop slot (prog + turn*P): itself head-major, zigzag entry-major."""
+    if ENTRY_MAJOR:
+        return zigzag_tile(slot // num_progs, slot % num_progs, num_progs)
+    return slot
+
+
+@triton.jit
+def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
                    num_q_heads, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr):
     """Decode tile id -> where its rows are and which key tiles it visits.
 
     Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
@@ -88,13 +104,13 @@ def _tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr,
     (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let the
     Q tile be reused (broadcast-Q only).
     """
-    # Entry-major: the list stays sorted longest first across heads, so the zigzag deal balances it
-    # (a head-major list restarts from the longest entry for every head: 8% more work for the
-    # busiest SM on PMA q=64). The programs running at the same time still work on the query blocks
-    # of a few sequences, every head of them, which share their K/V tiles through L2.
-    head_groups = num_q_heads // HEADS_PER_TILE
-    head = (tile % head_groups) * HEADS_PER_TILE
-    entry = tl.load(tile_entries_ptr + tile // head_groups)
+    if ENTRY_MAJOR:  # the module docstring says when and why
+        head_groups = num_q_heads // HEADS_PER_TILE
+        head = (tile % head_groups) * HEADS_PER_TILE
+        entry = tl.load(tile_entries_ptr + tl.minimum(tile // head_groups, num_entries - 1))
+    else:
+        head = (tile // num_entries) * HEADS_PER_TILE
+        entry = tl.load(tile_entries_ptr + tile % num_entries)
     seq = entry // q_blocks_per_seq
     q_block = entry % q_blocks_per_seq
     kv_start = tl.load(kv_offsets_ptr + seq)
@@ -118,6 +134,8 @@ def _tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr,
     bulk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo - first_col, BLOCK_N), 1), num_kv_tiles)
     bulk_hi = tl.minimum(tl.maximum(tl.maximum(full_hi - first_col, 0) // BLOCK_N, bulk_lo),
                          num_kv_tiles)
+    if ENTRY_MAJOR:  # a tile past the list (last zigzag turn) visits nothing
+        num_kv_tiles = tl.where(tile < num_entries * (num_q_heads // HEADS_PER_TILE), num_kv_tiles, 0)
     q_row0 = q_start + row_lo
     return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
             num_kv_tiles, bulk_lo, bulk_hi)
@@ -168,7 +186,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
                        qk_scale_log2, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                       BROADCAST_Q: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
+                       BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
                        CONSUMER_REGISTERS: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
@@ -187,6 +205,10 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
     num_tiles = num_entries * (num_q_heads // HEADS_PER_TILE)
     first_tile = tl.program_id(0)
     tile_stride = tl.num_programs(0)
+    if ENTRY_MAJOR:  # whole zigzag turns: in the last one some programs draw a tile past the list
+        deal_end = tl.cdiv(num_tiles, tile_stride) * tile_stride
+    else:
+        deal_end = num_tiles
 
     q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
@@ -205,13 +227,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            for turn in range(0, zigzag_turns(num_tiles, first_tile, tile_stride)):
-                tile = zigzag_tile(turn, first_tile, tile_stride)
+            for slot in range(first_tile, deal_end, tile_stride):
+                tile = _dealt_tile(slot, tile_stride, ENTRY_MAJOR)
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
-                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
-                     CAUSAL, HAS_WINDOW, BROADCAST_Q)
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR)
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
                         q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
@@ -254,13 +276,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            for turn in range(0, zigzag_turns(num_tiles, first_tile, tile_stride)):
-                tile = zigzag_tile(turn, first_tile, tile_stride)
+            for slot in range(first_tile, deal_end, tile_stride):
+                tile = _dealt_tile(slot, tile_stride, ENTRY_MAJOR)
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
-                     tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
-                     CAUSAL, HAS_WINDOW, BROADCAST_Q)
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR)
                 first_row = row_lo + cid * ROW_STEP
                 rows = first_row + tl.arange(0, ROWS)
                 my_head = head + cid * HEAD_STEP
@@ -359,7 +381,7 @@ def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
 
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                   window: int | None = None, broadcast_q: bool = False,
-                  heads_per_tile: int = 1) -> dict:
+                  heads_per_tile: int = 1, entry_major: bool = False) -> dict:
     """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem)."""
     if head_dim not in specs.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {specs.SUPPORTED_HEAD_DIMS}, got {head_dim}")
@@ -369,16 +391,17 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
         raise ValueError(f"heads_per_tile must be 1 or 2, got {heads_per_tile}")
     return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
-                **TUNING[(head_dim, heads_per_tile)])
+                ENTRY_MAJOR=bool(entry_major), **TUNING[(head_dim, heads_per_tile)])
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                 window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1):
+                 window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1,
+                 entry_major: bool = False):
     """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
-    constexprs = kernel_config(head_dim, dtype, causal=causal, window=window,
-                               broadcast_q=broadcast_q, heads_per_tile=heads_per_tile)
+    constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
+                               heads_per_tile=heads_per_tile, entry_major=entry_major)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
     signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>",
@@ -447,6 +470,7 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
                                        block_m=tile_rows(pairing), block_n=config["BLOCK_N"],
                                        causal=causal, window=window, broadcast_q=broadcast_q,
                                        max_seq_len_kv=max_seq_len_kv)
+    config["ENTRY_MAJOR"] = schedule.q_blocks_per_seq == 1
     max_tiles = schedule.max_entries * (q_heads // pairing)
     grid = (max(1, min(_num_sms(q.device), max_tiles)),)
     _jagged_fwd_kernel[grid](
