@@ -653,9 +653,11 @@ def bench_panel(rec: Recorded, suite: str):
 
 
 # ==== notebook 03: the tile scheduler and the GEM-like sweep ====================================
-def deal_tiles(work: list[int], n_programs: int) -> list[list[int]]:
-    """Deal tiles to persistent programs as the forward kernel does (`common.zigzag_tile`): turn by
-    turn, the next P tiles go to programs 0..P-1 on even turns and P-1..0 on odd ones.
+def deal_tiles(work: list[int], n_programs: int, zigzag: bool = False) -> list[list[int]]:
+    """Deal tiles to persistent programs as the forward kernel does: program p takes tiles p, p + P,
+    p + 2P... or, with `zigzag` (its order when every sequence is one query block,
+    `common.zigzag_tile`), turn by turn the next P tiles go to programs 0..P-1 on even turns and
+    P-1..0 on odd ones.
 
     `work` is each tile's cost (KV tiles it visits) in list order; returns each program's costs."""
     if n_programs < 1:
@@ -663,7 +665,7 @@ def deal_tiles(work: list[int], n_programs: int) -> list[list[int]]:
     dealt = [[] for _ in range(n_programs)]
     for tile, cost in enumerate(work):
         turn, offset = divmod(tile, n_programs)
-        dealt[offset if turn % 2 == 0 else n_programs - 1 - offset].append(cost)
+        dealt[n_programs - 1 - offset if zigzag and turn % 2 else offset].append(cost)
     return dealt
 
 

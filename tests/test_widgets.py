@@ -245,11 +245,13 @@ def test_the_committed_bwd_timing_recording_is_labeled():
     assert jw.dq_strategy_rows(rec.doc), "no timing rows in the recording"
 
 
-def test_deal_tiles_zigzags_like_the_forward_kernel():
-    """Turn 0 deals left to right, turn 1 right to left: each long draw is paired with a short one."""
-    assert jw.deal_tiles([6, 5, 4, 3, 2, 1, 0], 3) == [[6, 1, 0], [5, 2], [4, 3]]
+def test_deal_tiles_strided_or_zigzag_like_the_forward_kernel():
+    """Strided: program p takes every P-th tile. Zigzag: turn 0 left to right, turn 1 right to left."""
+    assert jw.deal_tiles([6, 5, 4, 3, 2, 1, 0], 3) == [[6, 3, 0], [5, 2], [4, 1]]
+    assert jw.deal_tiles([6, 5, 4, 3, 2, 1, 0], 3, zigzag=True) == [[6, 1, 0], [5, 2], [4, 3]]
     longest_first = sorted(range(1, 101), reverse=True)
-    sums = [sum(t) for t in jw.deal_tiles(longest_first, 10)]
-    assert max(sums) - min(sums) <= 10  # strided dealing would leave a gap of 90
+    strided = [sum(t) for t in jw.deal_tiles(longest_first, 10)]
+    zigzag = [sum(t) for t in jw.deal_tiles(longest_first, 10, zigzag=True)]
+    assert max(strided) - min(strided) == 90 and max(zigzag) - min(zigzag) <= 10
     with pytest.raises(ValueError, match="n_programs"):
         jw.deal_tiles([1], 0)

@@ -12,7 +12,7 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
   (key padding, bottom-right causal, symmetric window), exactly as docs/CONTRACTS.md defines them.
 - `visible_key_range`: the keys a block of query rows may see, and those every row of it sees (the
   query-stationary kernels' KV loops and their mask-free bulk).
-- `zigzag_tile`: which tile of a longest-first list a persistent program takes on each turn.
+- `zigzag_turns` / `zigzag_tile`: which tiles of a longest-first list a persistent program takes.
 - `online_softmax_step`: one KV tile of the streaming softmax in the exp2 domain, with the
   conditional rescale of the running maximum.
 - `finalize_rows`: the epilogue math: normalize by the row sum and form the natural-log LSE, with the
@@ -73,6 +73,13 @@ def pingpong_exit(cid: tl.constexpr):
         tlx.named_barrier_arrive(PINGPONG_BARRIER_SECOND, PINGPONG_THREADS)
     else:
         tlx.named_barrier_arrive(PINGPONG_BARRIER_FIRST, PINGPONG_THREADS)
+
+
+@triton.jit
+def zigzag_turns(num_tiles, prog, num_progs):
+    """How many tiles program `prog` of `num_progs` takes from a list of `num_tiles` (see zigzag_tile)."""
+    full_turns = num_tiles // num_progs
+    return full_turns + (zigzag_tile(full_turns, prog, num_progs) < num_tiles).to(tl.int32)
 
 
 @triton.jit

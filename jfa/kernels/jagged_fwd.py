@@ -57,7 +57,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from jfa import specs
 from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
                                 pingpong_exit, pingpong_start, ring_slot, store_rows, visible_key_range,
-                                visible_mask, zigzag_tile)
+                                visible_mask, zigzag_tile, zigzag_turns)
 from jfa.schedule import build_tile_schedule
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, ping-ponging on the tensor cores
@@ -83,11 +83,12 @@ ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query 
 
 
 @triton.jit
-def _dealt_tile(slot, num_progs, ENTRY_MAJOR: tl.constexpr):
-    """The tile behind the program's loop slot (prog + turn*P): itself head-major, zigzag entry-major."""
+def _tile_loop(num_tiles, prog, num_progs, ENTRY_MAJOR: tl.constexpr):
+    """(start, end, step) of a program's tile loop: zigzag turns entry-major (`zigzag_tile` maps a
+    turn to its tile), the program's every P-th tile head-major (the loop variable is the tile)."""
     if ENTRY_MAJOR:
-        return zigzag_tile(slot // num_progs, slot % num_progs, num_progs)
-    return slot
+        return 0, zigzag_turns(num_tiles, prog, num_progs), 1
+    return prog, num_tiles, num_progs
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     if ENTRY_MAJOR:  # the module docstring says when and why
         head_groups = num_q_heads // HEADS_PER_TILE
         head = (tile % head_groups) * HEADS_PER_TILE
-        entry = tl.load(tile_entries_ptr + tl.minimum(tile // head_groups, num_entries - 1))
+        entry = tl.load(tile_entries_ptr + tile // head_groups)
     else:
         head = (tile // num_entries) * HEADS_PER_TILE
         entry = tl.load(tile_entries_ptr + tile % num_entries)
@@ -134,8 +135,6 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     bulk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo - first_col, BLOCK_N), 1), num_kv_tiles)
     bulk_hi = tl.minimum(tl.maximum(tl.maximum(full_hi - first_col, 0) // BLOCK_N, bulk_lo),
                          num_kv_tiles)
-    if ENTRY_MAJOR:  # a tile past the list (last zigzag turn) visits nothing
-        num_kv_tiles = tl.where(tile < num_entries * (num_q_heads // HEADS_PER_TILE), num_kv_tiles, 0)
     q_row0 = q_start + row_lo
     return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
             num_kv_tiles, bulk_lo, bulk_hi)
@@ -205,10 +204,6 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
     num_tiles = num_entries * (num_q_heads // HEADS_PER_TILE)
     first_tile = tl.program_id(0)
     tile_stride = tl.num_programs(0)
-    if ENTRY_MAJOR:  # whole zigzag turns: in the last one some programs draw a tile past the list
-        deal_end = tl.cdiv(num_tiles, tile_stride) * tile_stride
-    else:
-        deal_end = num_tiles
 
     q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
@@ -227,8 +222,9 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            for slot in range(first_tile, deal_end, tile_stride):
-                tile = _dealt_tile(slot, tile_stride, ENTRY_MAJOR)
+            loop_start, loop_end, loop_step = _tile_loop(num_tiles, first_tile, tile_stride, ENTRY_MAJOR)
+            for step in range(loop_start, loop_end, loop_step):
+                tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
                      tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
@@ -276,8 +272,9 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            for slot in range(first_tile, deal_end, tile_stride):
-                tile = _dealt_tile(slot, tile_stride, ENTRY_MAJOR)
+            loop_start, loop_end, loop_step = _tile_loop(num_tiles, first_tile, tile_stride, ENTRY_MAJOR)
+            for step in range(loop_start, loop_end, loop_step):
+                tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
                  first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
                      tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
