@@ -10,6 +10,7 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
   cores at once (FlashAttention-3's "ping-pong" schedule).
 - `visible_mask`: which (query, key) pairs of a score tile may attend, in sequence-local positions
   (key padding, bottom-right causal, symmetric window), exactly as docs/CONTRACTS.md defines them.
+- `sequence_rows`: where a sequence's query, output and key rows are in the packed tensors.
 - `visible_key_range`: the keys a block of query rows may see, and those every row of it sees (the
   query-stationary kernels' KV loops and their mask-free bulk).
 - `zigzag_turns` / `zigzag_tile`: which tiles of a longest-first list a persistent program takes.
@@ -108,6 +109,26 @@ def visible_mask(rows, cols, q_len, kv_len, window, CAUSAL: tl.constexpr, HAS_WI
         visible = visible & (cols[None, :] >= rows[:, None] - window)
         visible = visible & (cols[None, :] <= rows[:, None] + window)
     return visible
+
+
+@triton.jit
+def sequence_rows(seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q: tl.constexpr):
+    """(q_start, q_len, out_row0, kv_start, kv_len) of sequence `seq`.
+
+    With broadcast-Q every sequence reads the one shared query (rows 0..q_len-1) while its output
+    rows (dO, LSE, Delta) start at seq * q_len.
+    """
+    kv_start = tl.load(kv_offsets_ptr + seq)
+    kv_len = tl.load(kv_offsets_ptr + seq + 1) - kv_start
+    if BROADCAST_Q:
+        q_start = 0
+        q_len = broadcast_q_len
+        out_row0 = seq * broadcast_q_len
+    else:
+        q_start = tl.load(q_offsets_ptr + seq)
+        q_len = tl.load(q_offsets_ptr + seq + 1) - q_start
+        out_row0 = q_start
+    return q_start, q_len, out_row0, kv_start, kv_len
 
 
 @triton.jit

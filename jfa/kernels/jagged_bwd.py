@@ -52,7 +52,7 @@ import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
-from jfa.kernels.common import LOG2E, ring_slot, visible_key_range, visible_mask
+from jfa.kernels.common import LOG2E, ring_slot, sequence_rows, visible_key_range, visible_mask
 from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
@@ -137,26 +137,6 @@ def _visible_keys_by_queries(kv_cols, q_rows, q_len, kv_len, window, CAUSAL: tl.
 
 
 @triton.jit
-def _sequence_rows(seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q: tl.constexpr):
-    """(q_start, q_len, out_row0, kv_start, kv_len) of sequence `seq`.
-
-    With broadcast-Q every sequence reads the one shared query (rows 0..q_len-1) while its output
-    rows (dO, LSE, Delta) start at seq * q_len.
-    """
-    kv_start = tl.load(kv_offsets_ptr + seq)
-    kv_len = tl.load(kv_offsets_ptr + seq + 1) - kv_start
-    if BROADCAST_Q:
-        q_start = 0
-        q_len = broadcast_q_len
-        out_row0 = seq * broadcast_q_len
-    else:
-        q_start = tl.load(q_offsets_ptr + seq)
-        q_len = tl.load(q_offsets_ptr + seq + 1) - q_start
-        out_row0 = q_start
-    return q_start, q_len, out_row0, kv_start, kv_len
-
-
-@triton.jit
 def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_kv_heads,
                       kv_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -172,7 +152,7 @@ def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num
     kv_head = tile % num_kv_heads
     seq = entry // kv_blocks_per_seq
     col0 = (entry % kv_blocks_per_seq) * BLOCK_N
-    q_start, q_len, out_row0, kv_start, kv_len = _sequence_rows(
+    q_start, q_len, out_row0, kv_start, kv_len = sequence_rows(
         seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q)
     col_last = tl.minimum(col0 + BLOCK_N, kv_len) - 1  # last real key of the tile
     q_lo = 0
@@ -428,7 +408,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offset
     seq = tl.program_id(1)
     head = tl.program_id(2)
     kv_head = head // gqa_group
-    q_start, q_len, out_row0, kv_start, kv_len = _sequence_rows(
+    q_start, q_len, out_row0, kv_start, kv_len = sequence_rows(
         seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q)
     row_lo = q_block * BLOCK_M
     if row_lo < q_len:

@@ -56,8 +56,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
-                                pingpong_exit, pingpong_start, ring_slot, store_rows, visible_key_range,
-                                visible_mask, zigzag_tile, zigzag_turns)
+                                pingpong_exit, pingpong_start, ring_slot, sequence_rows, store_rows,
+                                visible_key_range, visible_mask, zigzag_tile, zigzag_turns)
 from jfa.schedule import build_tile_schedule
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, ping-ponging on the tensor cores
@@ -114,17 +114,11 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
         entry = tl.load(tile_entries_ptr + tile % num_entries)
     seq = entry // q_blocks_per_seq
     q_block = entry % q_blocks_per_seq
-    kv_start = tl.load(kv_offsets_ptr + seq)
-    kv_len = tl.load(kv_offsets_ptr + seq + 1) - kv_start
+    q_start, q_len, out_row0, kv_start, kv_len = sequence_rows(seq, q_offsets_ptr, kv_offsets_ptr,
+                                                               broadcast_q_len, BROADCAST_Q)
     if BROADCAST_Q:
-        q_start = 0
-        q_len = broadcast_q_len
-        out_row0 = seq * broadcast_q_len
         q_key = q_block * num_q_heads + head
     else:
-        q_start = tl.load(q_offsets_ptr + seq)
-        q_len = tl.load(q_offsets_ptr + seq + 1) - q_start
-        out_row0 = q_start
         q_key = tile
     row_lo = q_block * BLOCK_M
     row_hi = tl.minimum(row_lo + BLOCK_M, q_len) - 1  # last real query row of the block
