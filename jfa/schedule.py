@@ -4,7 +4,8 @@ A persistent kernel runs one program per SM; each program takes every P-th tile 
 the list is ordered decides the load balance: jagged sequences differ in length by 10x or more,
 and if the long tiles come last, the SMs that draw them finish long after the rest sit idle. So the
 list is sorted by work, longest first (a greedy "longest processing time first" deal; the seed
-does the same on the host, then deals in zigzag order).
+does the same on the host, then deals in zigzag order, as the forward kernel does when every
+sequence is one query block: `jagged_fwd`, `common.zigzag_tile`).
 
 Building it must not synchronize with the GPU (a `.item()` or `.tolist()` on the offsets would
 stall the CPU until every earlier kernel finished), so it is built on the device, sized by
