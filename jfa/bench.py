@@ -329,11 +329,16 @@ def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return lambda: next(turn)()
 
 
-def _backward_step(run: ProviderRun, grad_out: torch.Tensor) -> Callable[[], None]:
-    """Forward + backward; the gradients are returned, not accumulated into `.grad` (do_bench's
+def _backward(run: ProviderRun, out: torch.Tensor, grad_out: torch.Tensor) -> None:
+    """The backward of `out`; the gradients are returned, not accumulated into `.grad` (do_bench's
     first calls do not reset it, and a nested-tensor leaf cannot accumulate)."""
+    torch.autograd.grad(out, run.grad_inputs, grad_out, allow_unused=True)
+
+
+def _backward_step(run: ProviderRun, grad_out: torch.Tensor) -> Callable[[], None]:
+    """Forward + backward, as one timed call."""
     def step() -> None:
-        torch.autograd.grad(run.forward(), run.grad_inputs, grad_out, allow_unused=True)
+        _backward(run, run.forward(), grad_out)
     return step
 
 
@@ -440,7 +445,7 @@ def compile_case_in_process(case: dict, provider: str, device="cuda", registry: 
     run = registry[provider](make_problem(case, device, 0, case_lengths(case)))
     out = run.forward()
     if run.no_backward is None:
-        out.backward(torch.randn_like(out))
+        _backward(run, out, torch.randn_like(out))
     torch.cuda.synchronize()
 
 

@@ -434,14 +434,17 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offset
                                         bulk_lo), end_col)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for col0 in range(first_col, bulk_lo, BLOCK_N):
-            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok, q_len, kv_len, window,
-                           stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, HAS_WINDOW, True)
+            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                           q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                           HAS_WINDOW, True)
         for col0 in range(bulk_lo, bulk_hi, BLOCK_N):
-            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok, q_len, kv_len, window,
-                           stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, HAS_WINDOW, False)
+            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                           q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                           HAS_WINDOW, False)
         for col0 in range(bulk_hi, kv_hi, BLOCK_N):
-            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok, q_len, kv_len, window,
-                           stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, HAS_WINDOW, True)
+            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                           q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                           HAS_WINDOW, True)
         out_ptrs = dq_ptr + seq.to(tl.int64) * dq_partial_stride + q_offs
         tl.store(out_ptrs, (acc * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
