@@ -1,0 +1,102 @@
+"""jfa against one peer, interleaved in one process, so both see the same GPU state.
+
+Why: on the H200 the same kernel timed in one process moved by up to 13% between the first and a
+later measurement (clocks fall as the GPU heats; `results/README`). `jfa.bench` times each provider
+of a case once, one after the other, and rows re-measured in a later run (`--rerun`) were timed
+in another thermal state than the peers' rows. Here every case is timed in rounds, the provider
+order alternating per round (jfa, peer / peer, jfa / ...), and each provider's median over the
+rounds is reported with the spread. Timings, inputs, checks and FLOP counts are `jfa.bench`'s.
+
+    python -m jfa.head_to_head OUT.json [--peer fa4] [--suites gem,pma,dense] [--rounds 3]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from jfa import bench, envinfo, specs
+from jfa.providers import PROVIDERS
+
+MIN_ROUNDS = 2  # each provider is timed first at least once
+
+
+def _timed_calls(builder, problems):
+    """(fwd, fwd_bwd, grads, check) of one provider on the case's input sets, warmed up."""
+    runs = [builder(problem) for problem in problems]
+    with torch.no_grad():
+        outs = [run.forward() for run in runs]
+    check = bench.check_output(problems[0], runs[0].to_packed(outs[0]))
+    fwd = bench._rotating([run.forward for run in runs])
+    grad_outs = [torch.randn_like(out) for out in outs]
+    fwd_bwd = bench._rotating([bench._backward_step(run, g) for run, g in zip(runs, grad_outs)])
+    grads = [t for run in runs for t in run.grad_inputs]
+    for _ in runs:
+        fwd_bwd()
+    if problems[0].q.is_cuda:
+        torch.cuda.synchronize()
+    return fwd, fwd_bwd, grads, check
+
+
+def head_to_head(case: dict, peer: str, rounds: int, *, device="cuda", registry: dict | None = None,
+                 timer: bench.Timer = bench.do_bench_median) -> dict:
+    """jfa and `peer` on one case, forward and forward+backward, timed in alternating rounds."""
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"rounds: at least {MIN_ROUNDS}, so that each provider is timed first once; got {rounds}")
+    registry = PROVIDERS if registry is None else registry
+    problems = bench.build_problems(case, device)
+    calls = {p: _timed_calls(registry[p], problems) for p in ("jfa", peer)}
+    times = {p: {"fwd": [], "fwd+bwd": []} for p in calls}
+    for r in range(rounds):
+        for provider in (("jfa", peer) if r % 2 == 0 else (peer, "jfa")):
+            fwd, fwd_bwd, grads, _ = calls[provider]
+            times[provider]["fwd"].append(timer(fwd, []))
+            times[provider]["fwd+bwd"].append(timer(fwd_bwd, grads))
+    flops = {p: bench.case_flops(case, problems[0], p) for p in specs.BENCH_PASSES}
+    result = dict(suite=case["suite"], case=case["case"], rounds=times, flops=flops,
+                  checks={p: calls[p][3] for p in calls}, providers={})
+    for p, t in times.items():
+        fwd, fwd_bwd = statistics.median(t["fwd"]), statistics.median(t["fwd+bwd"])
+        result["providers"][p] = dict(
+            fwd_ms=fwd, bwd_ms=fwd_bwd - fwd, fwd_tflops=specs.tflops(flops["fwd"], fwd),
+            bwd_tflops=specs.tflops(flops["bwd"], fwd_bwd - fwd),
+            fwd_spread=(max(t["fwd"]) - min(t["fwd"])) / fwd)
+    ours, theirs = result["providers"]["jfa"], result["providers"][peer]
+    result["speedup"] = dict(fwd=theirs["fwd_ms"] / ours["fwd_ms"], bwd=theirs["bwd_ms"] / ours["bwd_ms"])
+    for problem in problems:
+        for t in (problem.q, problem.k, problem.v):
+            t.grad = None
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--peer", default="fa4", choices=[p for p in specs.BENCH_PROVIDERS if p != "jfa"])
+    parser.add_argument("--suites", default="gem,pma,dense")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds: at least {MIN_ROUNDS}, so that each provider is timed first once")
+    cases = bench.suite_cases(args.suites.split(","), quick=False)
+    report = dict(kind="head-to-head", peer=args.peer, rounds=args.rounds, env=envinfo.environment(), cases=[])
+    for case in cases:
+        started = time.monotonic()
+        try:
+            row = head_to_head(case, args.peer, args.rounds)
+        except Exception as exc:  # a failed case is a result, reported as such
+            row = dict(suite=case["suite"], case=case["case"], error=bench._error_text(exc))
+        report["cases"].append(row)
+        args.out.write_text(json.dumps(report, indent=1))
+        speed = row.get("speedup")
+        print(f"{case['suite']:6s} {case['case']:26s} " + (
+            f"fwd x{speed['fwd']:.2f}  bwd x{speed['bwd']:.2f}" if speed else f"FAILED {row['error'][:120]}")
+              + f"  ({time.monotonic() - started:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

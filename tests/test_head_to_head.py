@@ -1,0 +1,58 @@
+"""CPU tests of jfa.head_to_head: alternating rounds, medians, speedups and the bwd subtraction,
+with the reference standing in for both providers and a scripted timer (the real run is on the GPU
+host)."""
+import pytest
+
+from jfa import head_to_head, specs
+from tests.test_bench import reference_provider, small_case
+
+
+class ScriptedTimer:
+    """Returns the next scripted time for (provider, pass) and records the order of calls."""
+
+    def __init__(self, script):
+        self.script = {key: list(times) for key, times in script.items()}
+        self.order = []
+        self.current = None
+
+    def __call__(self, fn, grad_to_none):
+        fn()
+        pass_ = "fwd+bwd" if grad_to_none else "fwd"
+        self.order.append((self.current(), pass_))
+        return self.script[(self.current(), pass_)].pop(0)
+
+
+def test_rounds_alternate_and_medians_give_the_speedup():
+    order = []
+
+    def provider(name):
+        def build(problem):
+            run = reference_provider(problem)
+            forward = run.forward
+
+            def tagged():
+                order.append(name)
+                return forward()
+            run.forward = tagged
+            return run
+        return build
+
+    timer = ScriptedTimer({("jfa", "fwd"): [1.0, 2.0, 1.2], ("jfa", "fwd+bwd"): [4.0, 5.0, 4.2],
+                           ("peer", "fwd"): [2.0, 2.4, 9.0], ("peer", "fwd+bwd"): [6.0, 6.4, 13.0]})
+    timer.current = lambda: order[-1]
+    row = head_to_head.head_to_head(small_case(), "peer", 3, device="cpu",
+                                    registry={"jfa": provider("jfa"), "peer": provider("peer")}, timer=timer)
+    firsts = [timer.order[i][0] for i in range(0, len(timer.order), 4)]
+    assert firsts == ["jfa", "peer", "jfa"]  # who goes first alternates by round
+    ours, theirs = row["providers"]["jfa"], row["providers"]["peer"]
+    assert ours["fwd_ms"] == 1.2 and ours["bwd_ms"] == pytest.approx(4.2 - 1.2)  # medians, bwd = fwd+bwd - fwd
+    assert theirs["fwd_ms"] == 2.4 and theirs["bwd_ms"] == pytest.approx(6.4 - 2.4)
+    assert row["speedup"]["fwd"] == pytest.approx(2.0)
+    assert ours["fwd_spread"] == pytest.approx((2.0 - 1.0) / 1.2)
+    assert ours["fwd_tflops"] == pytest.approx(specs.tflops(row["flops"]["fwd"], 1.2))
+    assert row["checks"]["jfa"]["rel_err"] < specs.FWD_RELERR
+
+
+def test_one_round_is_refused():
+    with pytest.raises(ValueError, match="rounds"):
+        head_to_head.head_to_head(small_case(), "peer", 1, device="cpu", registry={})
