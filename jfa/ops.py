@@ -6,6 +6,11 @@ autograd wired from the first to the second. Making them custom ops (rather than
 keeps them opaque to torch.compile: the graph holds one node per pass, never the kernel's
 internals, and the same call works eagerly, compiled, on CPU and on GPU.
 
+Eager calls on CPU or CUDA tensors skip the op layer: `jagged_attention` hands them to a plain
+`torch.autograd.Function` running the same implementations, because the custom op's dispatch and
+registered autograd cost ~75 µs of CPU per call (torch 2.11), as much as a short jagged batch takes
+on the GPU. torch.compile, and tensors on other devices (meta, fake), go through the op.
+
 Dispatch: on CUDA the TLX kernels (`jfa.kernels.jagged_fwd` / `jagged_bwd`) run when they import
 and accept the inputs; anywhere else, or when they decline, the PyTorch reference runs and a
 `ReferenceFallbackWarning` says why, once per reason. The kernel modules are imported lazily so a
@@ -23,13 +28,14 @@ from torch import Tensor
 
 from jfa import jagged, reference, specs
 
-__all__ = ["jagged_attention", "jagged_attention_fwd", "jagged_attention_bwd", "backend_for",
-           "ReferenceFallbackWarning"]
+__all__ = ["jagged_attention", "jagged_attention_validated", "jagged_attention_fwd", "jagged_attention_bwd",
+           "backend_for", "ReferenceFallbackWarning"]
 
 # Op schemas have no Optional[int]; these sentinels stand for "no window" and "not given".
 NO_WINDOW = -1
 UNKNOWN_MAX_LEN = -1
 KERNEL_BACKEND = "tlx-sm90"
+EAGER_DEVICES = ("cpu", "cuda")  # devices whose eager calls bypass the op layer (module docstring)
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -91,10 +97,10 @@ def _window_or_none(window: int) -> int | None:
 
 
 # ---- forward -----------------------------------------------------------------------------------
-@torch.library.custom_op("jfa::jagged_attention_fwd", mutates_args=())
-def jagged_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
-                         max_seq_len_q: int, max_seq_len_kv: int, sm_scale: float, causal: bool, window: int,
-                         broadcast_q: bool, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+def _jagged_attention_fwd_default(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
+                                  max_seq_len_q: int, max_seq_len_kv: int, sm_scale: float, causal: bool,
+                                  window: int, broadcast_q: bool, deterministic: bool = False
+                                  ) -> tuple[Tensor, Tensor]:
     """Jagged attention forward -> (out [Tq_out, Hq, D] in q's dtype, lse float32 [Hq, Tq_out]).
 
     Inputs are already validated (`jfa.jagged.validate_jagged_attention`); window -1 means none,
@@ -104,6 +110,10 @@ def jagged_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_
     """
     _warn_once(f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
     return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
+
+
+jagged_attention_fwd = torch.library.custom_op("jfa::jagged_attention_fwd", mutates_args=())(
+    _jagged_attention_fwd_default)
 
 
 def _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q):
@@ -136,11 +146,11 @@ def _jagged_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
 
 
 # ---- backward ----------------------------------------------------------------------------------
-@torch.library.custom_op("jfa::jagged_attention_bwd", mutates_args=())
-def jagged_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                         q_offsets: Tensor, kv_offsets: Tensor, max_seq_len_q: int, max_seq_len_kv: int,
-                         sm_scale: float, causal: bool, window: int, broadcast_q: bool, deterministic: bool = False
-                         ) -> tuple[Tensor, Tensor, Tensor]:
+def _jagged_attention_bwd_default(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  q_offsets: Tensor, kv_offsets: Tensor, max_seq_len_q: int,
+                                  max_seq_len_kv: int, sm_scale: float, causal: bool, window: int,
+                                  broadcast_q: bool, deterministic: bool = False
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Jagged attention backward -> (dq, dk, dv) in the dtypes of q, k, v.
 
     `deterministic=True` asks the kernel for bitwise-repeatable gradients (no float atomics).
@@ -149,6 +159,10 @@ def jagged_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
     `out` and `lse` are what a kernel backward needs and are unused there.
     """
     return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
+
+
+jagged_attention_bwd = torch.library.custom_op("jfa::jagged_attention_bwd", mutates_args=())(
+    _jagged_attention_bwd_default)
 
 
 def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q):
@@ -189,13 +203,43 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward_with(bwd, ctx, grad_out):
     q, k, v, out, lse, q_offsets, kv_offsets = ctx.saved_tensors
-    dq, dk, dv = jagged_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params)
+    dq, dk, dv = bwd(grad_out.contiguous(), q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params)
     return (dq, dk, dv) + (None,) * (2 + len(ctx.params))
 
 
+def _backward(ctx, grad_out, grad_lse):
+    return _backward_with(jagged_attention_bwd, ctx, grad_out)
+
+
 torch.library.register_autograd("jfa::jagged_attention_fwd", _backward, setup_context=_setup_context)
+
+# What the op runs on each device; the eager path below picks from the same table.
+_FWD_BY_DEVICE = {"cuda": _jagged_attention_fwd_cuda}
+_BWD_BY_DEVICE = {"cuda": _jagged_attention_bwd_cuda}
+
+
+def _fwd_eager(q, *args):
+    return _FWD_BY_DEVICE.get(q.device.type, _jagged_attention_fwd_default)(q, *args)
+
+
+def _bwd_eager(grad_out, q, *args):
+    return _BWD_BY_DEVICE.get(q.device.type, _jagged_attention_bwd_default)(grad_out, q, *args)
+
+
+class _EagerJaggedAttention(torch.autograd.Function):
+    """The op's forward and autograd without the op layer (see the module docstring for why)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, *params):
+        output = _fwd_eager(q, k, v, q_offsets, kv_offsets, *params)
+        _setup_context(ctx, (q, k, v, q_offsets, kv_offsets, *params), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _backward_with(_bwd_eager, ctx, grad_out)
 
 
 # ---- public entry point ------------------------------------------------------------------------
@@ -217,11 +261,28 @@ def jagged_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offs
         max_q = UNKNOWN_MAX_LEN if max_seq_len_q is None else max_seq_len_q
         max_kv = UNKNOWN_MAX_LEN if max_seq_len_kv is None else max_seq_len_kv
         scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+        out, lse = jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, scale, causal,
+                                        NO_WINDOW if window is None else window, broadcast_q, deterministic)
     else:
         problem = jagged.validate_jagged_attention(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
                                                    sm_scale=sm_scale, causal=causal, window=window,
                                                    broadcast_q=broadcast_q)
-        max_q, max_kv, scale = problem.max_seq_len_q, problem.max_seq_len_kv, problem.sm_scale
-    out, lse = jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, scale, causal,
-                                    NO_WINDOW if window is None else window, broadcast_q, deterministic)
+        out, lse = jagged_attention_validated(q, k, v, q_offsets, kv_offsets, problem, deterministic=deterministic)
     return (out, lse) if return_lse else out
+
+
+def jagged_attention_validated(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
+                               problem: jagged.JaggedProblem, *, deterministic: bool = False
+                               ) -> tuple[Tensor, Tensor]:
+    """(out, lse) of `jagged_attention` for inputs already checked by `jagged.validate_jagged_attention`.
+
+    For callers that call many times with the same offsets (benchmarks, a training loop that
+    validates once): the check reads the offsets' values, a GPU sync when they live on the GPU.
+    Eager calls on CPU and CUDA tensors bypass the op layer (module docstring).
+    """
+    args = (q, k, v, q_offsets, kv_offsets, problem.max_seq_len_q, problem.max_seq_len_kv, problem.sm_scale,
+            problem.causal, NO_WINDOW if problem.window is None else problem.window, problem.broadcast_q,
+            deterministic)
+    if torch.compiler.is_compiling() or q.device.type not in EAGER_DEVICES:
+        return jagged_attention_fwd(*args)
+    return _EagerJaggedAttention.apply(*args)

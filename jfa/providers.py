@@ -100,7 +100,7 @@ def _identity(out: torch.Tensor) -> torch.Tensor:
 
 # ---- jfa -------------------------------------------------------------------------------------
 JFA_KERNEL_BACKEND = "tlx-sm90"  # what jfa.backend_for(q) answers when the TLX forward kernel runs
-JFA_VALIDATED_NOTE = "inputs validated once outside the timed region; timed: the jfa custom op"
+JFA_VALIDATED_NOTE = "inputs validated once outside the timed region; timed: jfa.ops.jagged_attention_validated"
 
 
 def _jfa_kernel_or_why(module: str, q: torch.Tensor) -> str | None:
@@ -113,20 +113,18 @@ def _jfa_kernel_or_why(module: str, q: torch.Tensor) -> str | None:
 
 
 def _build_jfa_jagged(problem: Problem) -> ProviderRun:
-    """The jagged custom op, validated once here: `jfa.jagged_attention` re-reads the offsets on every
-    call (a device-to-host sync) that the peers do not pay, which would be timed otherwise."""
+    """`jfa.jagged_attention` with its check done once here: the public call re-reads the offsets
+    on every call (a device-to-host sync) that the peers do not pay, which would be timed otherwise."""
     jfa = _import("jfa", "jfa")
     backend = jfa.backend_for(problem.q)
     if backend != JFA_KERNEL_BACKEND:
         raise ProviderUnavailable(f"jfa forward would run the {backend}")
     q, k, v = problem.q, problem.k, problem.v
-    broadcast_q = problem.kind == "pma"
     checked = jfa.jagged.validate_jagged_attention(q, k, v, problem.q_offsets, problem.kv_offsets, problem.max_q,
                                                    problem.max_kv, sm_scale=None, causal=False, window=None,
-                                                   broadcast_q=broadcast_q)
-    args = (q, k, v, problem.q_offsets, problem.kv_offsets, checked.max_seq_len_q, checked.max_seq_len_kv,
-            checked.sm_scale, False, jfa.ops.NO_WINDOW, broadcast_q)
-    return ProviderRun(lambda: jfa.ops.jagged_attention_fwd(*args)[0], _identity, [q, k, v],
+                                                   broadcast_q=problem.kind == "pma")
+    args = (q, k, v, problem.q_offsets, problem.kv_offsets, checked)
+    return ProviderRun(lambda: jfa.ops.jagged_attention_validated(*args)[0], _identity, [q, k, v],
                        no_backward=_jfa_kernel_or_why("jagged_bwd", q), notes=[JFA_VALIDATED_NOTE])
 
 

@@ -69,6 +69,32 @@ def test_gradients_through_the_op_equal_reference_autograd(causal, window, broad
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("causal,window,broadcast_q", [(True, 2, False), (False, None, True)])
+def test_eager_path_equals_the_op_and_skips_it(causal, window, broadcast_q, monkeypatch):
+    """Eager CPU/CUDA calls run the op's implementations through a plain autograd.Function: same
+    outputs and gradients, bit for bit, as the op with its registered autograd, without the op."""
+    q, k, v, q_offsets, kv_offsets = make_call(broadcast_q=broadcast_q)
+    problem = jagged.validate_jagged_attention(q, k, v, q_offsets, kv_offsets, causal=causal, window=window,
+                                               broadcast_q=broadcast_q)
+    op_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    op_out, op_lse = ops.jagged_attention_fwd(*op_leaves, q_offsets, kv_offsets, problem.max_seq_len_q,
+                                              problem.max_seq_len_kv, problem.sm_scale, causal,
+                                              ops.NO_WINDOW if window is None else window, broadcast_q)
+    grad_out = torch.randn_like(op_out)
+    op_grads = torch.autograd.grad(op_out, op_leaves, grad_out)
+
+    def op_called(*args, **kwargs):
+        raise AssertionError("an eager CPU call went through the custom op")
+    monkeypatch.setattr(ops, "jagged_attention_fwd", op_called)
+    monkeypatch.setattr(ops, "jagged_attention_bwd", op_called)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ops.jagged_attention_validated(*leaves, q_offsets, kv_offsets, problem)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    assert torch.equal(out, op_out) and torch.equal(lse, op_lse) and not lse.requires_grad
+    for name, g, w in zip("qkv", grads, op_grads):
+        assert torch.equal(g, w), f"d{name} differs between the eager path and the op"
+
+
 @pytest.mark.parametrize("causal,window,broadcast_q", [(True, 1, False), (False, None, True)])
 def test_gradcheck_float64(causal, window, broadcast_q):
     q, k, v, q_offsets, kv_offsets = make_call(torch.float64, broadcast_q, heads=(2, 1), head_dim=4,
