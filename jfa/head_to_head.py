@@ -11,6 +11,7 @@ rounds is reported with the spread. Timings, inputs, checks and FLOP counts are 
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -70,6 +71,31 @@ def head_to_head(case: dict, peer: str, rounds: int, *, device="cuda", registry:
         for t in (problem.q, problem.k, problem.v):
             t.grad = None
     return result
+
+
+def summary_markdown(report: dict) -> str:
+    """A markdown table of one head-to-head report: TFLOP/s, each provider's forward spread over the
+    rounds (max - min over the median), jfa's speedup per pass, and each suite's geometric mean."""
+    peer = report["peer"]
+    lines = [f"| case | jfa fwd | {peer} fwd | fwd speedup | jfa bwd | {peer} bwd | bwd speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    logs: dict[str, dict[str, list[float]]] = {}
+    for row in report["cases"]:
+        label = f"{row['suite']} {row['case']}"
+        if "error" in row:
+            lines.append(f"| {label} | failed: {row['error'][:80]} |" + " |" * 5)
+            continue
+        ours, theirs, speedup = row["providers"]["jfa"], row["providers"][peer], row["speedup"]
+        lines.append(f"| {label} | {ours['fwd_tflops']:.0f} (±{ours['fwd_spread'] * 50:.0f}%) | "
+                     f"{theirs['fwd_tflops']:.0f} (±{theirs['fwd_spread'] * 50:.0f}%) | {speedup['fwd']:.2f}x | "
+                     f"{ours['bwd_tflops']:.0f} | {theirs['bwd_tflops']:.0f} | {speedup['bwd']:.2f}x |")
+        for pass_ in ("fwd", "bwd"):
+            logs.setdefault(row["suite"], {}).setdefault(pass_, []).append(math.log(speedup[pass_]))
+    lines.append("")
+    for suite, by_pass in logs.items():
+        means = ", ".join(f"{p} {math.exp(statistics.fmean(v)):.2f}x" for p, v in by_pass.items())
+        lines.append(f"{suite}: geometric mean of jfa's speedup over {peer}: {means} ({len(by_pass['fwd'])} cases)")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -56,3 +56,15 @@ def test_rounds_alternate_and_medians_give_the_speedup():
 def test_one_round_is_refused():
     with pytest.raises(ValueError, match="rounds"):
         head_to_head.head_to_head(small_case(), "peer", 1, device="cpu", registry={})
+
+
+def test_summary_markdown_of_a_recorded_report():
+    row = dict(suite="gem", case="L=256", providers={
+        "jfa": dict(fwd_tflops=200.0, bwd_tflops=100.0, fwd_spread=0.1),
+        "fa4": dict(fwd_tflops=100.0, bwd_tflops=125.0, fwd_spread=0.02)}, speedup=dict(fwd=2.0, bwd=0.8))
+    report = dict(peer="fa4", cases=[row, dict(row, case="L=512", speedup=dict(fwd=0.5, bwd=0.8)),
+                                     dict(suite="gem", case="L=1024", error="RuntimeError: out of memory")])
+    text = head_to_head.summary_markdown(report)
+    assert "| gem L=256 | 200 (±5%) | 100 (±1%) | 2.00x | 100 | 125 | 0.80x |" in text
+    assert "| gem L=1024 | failed: RuntimeError: out of memory" in text
+    assert "gem: geometric mean of jfa's speedup over fa4: fwd 1.00x, bwd 0.80x (2 cases)" in text
