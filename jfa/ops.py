@@ -122,7 +122,6 @@ def _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, bro
     return out.to(q.dtype), lse.to(torch.float32)
 
 
-@jagged_attention_fwd.register_kernel("cuda")
 def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
                                window, broadcast_q, deterministic=False):
     why = _why_not_kernel("jagged_fwd", q, k, v)
@@ -172,7 +171,6 @@ def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, w
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
-@jagged_attention_bwd.register_kernel("cuda")
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
                                sm_scale, causal, window, broadcast_q, deterministic=False):
     why = _why_not_kernel("jagged_bwd", q, k, v, grad_out)
@@ -215,9 +213,14 @@ def _backward(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd("jfa::jagged_attention_fwd", _backward, setup_context=_setup_context)
 
-# What the op runs on each device; the eager path below picks from the same table.
+# Each op's per-device implementations (the default one runs elsewhere): registered with the op
+# here, and read by the eager path below, so the two cannot disagree.
 _FWD_BY_DEVICE = {"cuda": _jagged_attention_fwd_cuda}
 _BWD_BY_DEVICE = {"cuda": _jagged_attention_bwd_cuda}
+for _device, _kernel in _FWD_BY_DEVICE.items():
+    jagged_attention_fwd.register_kernel(_device)(_kernel)
+for _device, _kernel in _BWD_BY_DEVICE.items():
+    jagged_attention_bwd.register_kernel(_device)(_kernel)
 
 
 def _fwd_eager(q, *args):
