@@ -374,6 +374,46 @@ def make_row(case: dict, provider: str, pass_: str, *, ms: float | None, flops: 
             "ok": ok, "error": None if ok else error, "params": params}
 
 
+@dataclass
+class ReadyProvider:
+    """One provider set up on a case's input sets: checked against the reference, warmed up."""
+
+    fwd: Callable[[], object]  # one forward, a different input set each call
+    fwd_bwd: Callable[[], object] | None  # forward + backward; None where the provider has no backward
+    grads: list  # the tensors whose .grad do_bench resets
+    no_backward: str | None  # why there is no backward, if there is none
+
+
+def prepare_provider(builder: Callable, problems: list[Problem], extra: dict) -> ReadyProvider:
+    """Build `builder`'s runs on every input set, check the first against the reference, and run
+    each set once (compile, autotune, first touch) before any timing. `extra` is filled as this
+    goes (the provider's notes, then the check's statistics), so a failure's row still carries them."""
+    runs = [builder(problem) for problem in problems]
+    extra["notes"] = runs[0].notes
+    with torch.no_grad():  # one output per input set: a nested-tensor output's shape is its own
+        outs = [run.forward() for run in runs]
+    extra.update(check_output(problems[0], runs[0].to_packed(outs[0])))
+    fwd = _rotating([run.forward for run in runs])
+    fwd_bwd, grads = None, []
+    if runs[0].no_backward is None:
+        grad_outs = [torch.randn_like(out) for out in outs]
+        fwd_bwd = _rotating([_backward_step(run, g) for run, g in zip(runs, grad_outs)])
+        grads = [t for run in runs for t in run.grad_inputs]
+    warm_up = fwd_bwd or fwd
+    for _ in runs:  # compile, autotune and first-touch every input set before any timing
+        warm_up()
+    if problems[0].q.is_cuda:
+        torch.cuda.synchronize()
+    return ReadyProvider(fwd, fwd_bwd, grads, runs[0].no_backward)
+
+
+def clear_grads(problems: list[Problem]) -> None:
+    """Drop the .grad that timed backward passes left on the inputs."""
+    for problem in problems:
+        for t in (problem.q, problem.k, problem.v):
+            t.grad = None
+
+
 def measure_provider(case: dict, provider: str, builder: Callable, problems: list[Problem],
                      passes: list[str], timer: Timer) -> list[dict]:
     """All rows of one provider on one case: check first, then time; every failure is a row."""
@@ -388,33 +428,16 @@ def measure_provider(case: dict, provider: str, builder: Callable, problems: lis
 
     extra: dict = {}
     try:
-        runs = [builder(problem) for problem in problems]
-        extra["notes"] = runs[0].notes
-        with torch.no_grad():  # one output per input set: a nested-tensor output's shape is its own
-            outs = [run.forward() for run in runs]
-        extra.update(check_output(problems[0], runs[0].to_packed(outs[0])))
-        fwd = _rotating([run.forward for run in runs])
-        fwd_bwd, grads = None, []
-        if runs[0].no_backward is None:
-            grad_outs = [torch.randn_like(out) for out in outs]
-            fwd_bwd = _rotating([_backward_step(run, g) for run, g in zip(runs, grad_outs)])
-            grads = [t for run in runs for t in run.grad_inputs]
-        warm_up = fwd_bwd or fwd
-        for _ in runs:  # compile, autotune and first-touch every input set before any timing
-            warm_up()
-        if problems[0].q.is_cuda:
-            torch.cuda.synchronize()
-        result = time_passes(passes, fwd, fwd_bwd, timer, grads)
+        ready = prepare_provider(builder, problems, extra)
+        result = time_passes(passes, ready.fwd, ready.fwd_bwd, timer, ready.grads)
     except Exception as exc:  # a broken provider is a result to report, not a reason to stop the run
         return rows_for({}, _error_text(exc), extra)
     finally:
-        for problem in problems:
-            for t in (problem.q, problem.k, problem.v):
-                t.grad = None
+        clear_grads(problems)
     rows = rows_for(result, None, extra)
     for row in rows:
         if not row["ok"] and row["error"] is None:  # a pass left out of `result`: no backward here
-            row["error"] = runs[0].no_backward
+            row["error"] = ready.no_backward
     return rows
 
 

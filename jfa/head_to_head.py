@@ -17,29 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from jfa import bench, envinfo, specs
 from jfa.providers import PROVIDERS
 
 MIN_ROUNDS = 2  # each provider is timed first at least once
-
-
-def _timed_calls(builder, problems):
-    """(fwd, fwd_bwd, grads, check) of one provider on the case's input sets, warmed up."""
-    runs = [builder(problem) for problem in problems]
-    with torch.no_grad():
-        outs = [run.forward() for run in runs]
-    check = bench.check_output(problems[0], runs[0].to_packed(outs[0]))
-    fwd = bench._rotating([run.forward for run in runs])
-    grad_outs = [torch.randn_like(out) for out in outs]
-    fwd_bwd = bench._rotating([bench._backward_step(run, g) for run, g in zip(runs, grad_outs)])
-    grads = [t for run in runs for t in run.grad_inputs]
-    for _ in runs:
-        fwd_bwd()
-    if problems[0].q.is_cuda:
-        torch.cuda.synchronize()
-    return fwd, fwd_bwd, grads, check
 
 
 def head_to_head(case: dict, peer: str, rounds: int, *, device="cuda", registry: dict | None = None,
@@ -49,16 +30,20 @@ def head_to_head(case: dict, peer: str, rounds: int, *, device="cuda", registry:
         raise ValueError(f"rounds: at least {MIN_ROUNDS}, so that each provider is timed first once; got {rounds}")
     registry = PROVIDERS if registry is None else registry
     problems = bench.build_problems(case, device)
-    calls = {p: _timed_calls(registry[p], problems) for p in ("jfa", peer)}
-    times = {p: {"fwd": [], "fwd+bwd": []} for p in calls}
+    checks = {p: {} for p in ("jfa", peer)}
+    ready = {p: bench.prepare_provider(registry[p], problems, checks[p]) for p in checks}
+    for p, r in ready.items():
+        if r.fwd_bwd is None:
+            raise ValueError(f"{p} has no backward here ({r.no_backward}); head-to-head times both passes")
+    times = {p: {"fwd": [], "fwd+bwd": []} for p in ready}
     for r in range(rounds):
         for provider in (("jfa", peer) if r % 2 == 0 else (peer, "jfa")):
-            fwd, fwd_bwd, grads, _ = calls[provider]
-            times[provider]["fwd"].append(timer(fwd, []))
-            times[provider]["fwd+bwd"].append(timer(fwd_bwd, grads))
+            calls = ready[provider]
+            times[provider]["fwd"].append(timer(calls.fwd, []))
+            times[provider]["fwd+bwd"].append(timer(calls.fwd_bwd, calls.grads))
     flops = {p: bench.case_flops(case, problems[0], p) for p in specs.BENCH_PASSES}
     result = dict(suite=case["suite"], case=case["case"], rounds=times, flops=flops,
-                  checks={p: calls[p][3] for p in calls}, providers={})
+                  checks=checks, providers={})
     for p, t in times.items():
         fwd, fwd_bwd = statistics.median(t["fwd"]), statistics.median(t["fwd+bwd"])
         result["providers"][p] = dict(
@@ -67,9 +52,7 @@ def head_to_head(case: dict, peer: str, rounds: int, *, device="cuda", registry:
             fwd_spread=(max(t["fwd"]) - min(t["fwd"])) / fwd)
     ours, theirs = result["providers"]["jfa"], result["providers"][peer]
     result["speedup"] = dict(fwd=theirs["fwd_ms"] / ours["fwd_ms"], bwd=theirs["bwd_ms"] / ours["bwd_ms"])
-    for problem in problems:
-        for t in (problem.q, problem.k, problem.v):
-            t.grad = None
+    bench.clear_grads(problems)
     return result
 
 

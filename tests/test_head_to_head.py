@@ -4,7 +4,8 @@ host)."""
 import pytest
 
 from jfa import head_to_head, specs
-from tests.test_bench import reference_provider, small_case
+from jfa.providers import ProviderRun
+from tests.test_bench import FakeTimer, reference_provider, small_case
 
 
 class ScriptedTimer:
@@ -68,3 +69,13 @@ def test_summary_markdown_of_a_recorded_report():
     assert "| gem L=256 | 200 (±5%) | 100 (±1%) | 2.00x | 100 | 125 | 0.80x |" in text
     assert "| gem L=1024 | failed: RuntimeError: out of memory" in text
     assert "gem: geometric mean of jfa's speedup over fa4: fwd 1.00x, bwd 0.80x (2 cases)" in text
+
+
+def test_a_peer_without_backward_is_refused():
+    def forward_only(problem):
+        run = reference_provider(problem)
+        return ProviderRun(run.forward, run.to_packed, run.grad_inputs, no_backward="forward-only here")
+
+    with pytest.raises(ValueError, match="peer has no backward here"):
+        head_to_head.head_to_head(small_case(), "peer", 2, device="cpu",
+                                  registry={"jfa": reference_provider, "peer": forward_only}, timer=FakeTimer())
