@@ -156,3 +156,26 @@ def ring_depth_sweep(records: Iterable, *, title: str = "K/V ring depth sweep", 
                         name=str(series))
     return _finish(fig, title, xaxis_title="ring depth (stages)", yaxis_title=y_title, legend="series",
                    xaxis=dict(dtick=1))
+
+
+def tile_cost(rows: Iterable[Mapping], *, dense_tflops: float | None = None,
+              title: str = "Forward, broadcast-Q q=256: every sequence the same KV length") -> go.Figure:
+    """TFLOP/s of jfa (and FA4 where timed) against the one KV length all sequences share.
+
+    Rows are `scripts/fwd_tile_cost.py`'s: cases "kv=N" hold the FLOPs equal while the tiles grow,
+    so the curve shows a tile's fixed cost fading and the steady rate it fades into;
+    `dense_tflops` marks a dense rate for comparison.
+    """
+    fixed = sorted((r for r in rows if r["case"].startswith("kv=")), key=lambda r: int(r["case"][3:]))
+    keys = [int(r["case"][3:]) for r in fixed]
+    fig = go.Figure()
+    for provider in ("jfa", "fa4"):
+        if all(f"{provider}_tflops" in r for r in fixed):
+            fig.add_scatter(x=keys, y=[r[f"{provider}_tflops"] for r in fixed], mode="lines+markers", name=provider,
+                            marker_color=PROVIDER_COLORS.get(provider),
+                            customdata=[r.get(f"{provider}_us_per_tile_per_sm") for r in fixed],
+                            hovertemplate="%{x} keys<br>%{y:.0f} TFLOP/s<extra>" + provider + "</extra>")
+    if dense_tflops is not None:
+        fig.add_hline(y=dense_tflops, line_dash="dot", annotation_text="jfa, dense D=128")
+    return _finish(fig, title, xaxis_title="keys per sequence (log scale)", yaxis_title="TFLOP/s",
+                   xaxis=dict(type="log", tickvals=keys))

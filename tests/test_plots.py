@@ -71,6 +71,17 @@ def test_ring_depth_sweep_sorts_by_depth():
     assert list(fwd.x) == [2, 3] and list(fwd.y) == [250.0, 300.0]
 
 
+def test_tile_cost_plots_the_fixed_length_cases_by_key_count():
+    rows = [dict(case="kv=512", jfa_tflops=485.0, fa4_tflops=316.0), dict(case="kv=128", jfa_tflops=294.0,
+                                                                         fa4_tflops=112.0),
+            dict(case="kv~U[1,2048]", jfa_tflops=433.0, fa4_tflops=375.0)]
+    fig = plots.tile_cost(rows, dense_tflops=611.0)
+    assert [t.name for t in fig.data] == ["jfa", "fa4"]
+    assert list(fig.data[0].x) == [128, 512] and list(fig.data[0].y) == [294.0, 485.0]
+    assert fig.layout.shapes[0].y0 == 611.0
+    assert len(plots.tile_cost([dict(case="kv=128", jfa_tflops=1.0)]).data) == 1  # no FA4 timing: no FA4 line
+
+
 def test_figures_from_the_stored_run(fake_run):
     rows = fake_run["rows"]
     assert len(plots.tflops_bar(rows, suite="gem", pass_="bwd").data) == 3
