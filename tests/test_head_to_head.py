@@ -79,3 +79,9 @@ def test_a_peer_without_backward_is_refused():
     with pytest.raises(ValueError, match="peer has no backward here"):
         head_to_head.head_to_head(small_case(), "peer", 2, device="cpu",
                                   registry={"jfa": reference_provider, "peer": forward_only}, timer=FakeTimer())
+
+
+def test_the_command_line_offers_only_in_process_peers(capsys):
+    with pytest.raises(SystemExit):
+        head_to_head.main(["out.json", "--peer", "flex"])
+    assert "invalid choice: 'flex'" in capsys.readouterr().err
