@@ -12,9 +12,9 @@ import json
 import sys
 
 import torch
-import triton.testing
 
 from jfa import envinfo, specs
+from jfa.bench import do_bench_median
 from jfa.jagged import gem_lengths, lengths_to_offsets
 from jfa.kernels import jagged_fwd
 
@@ -22,10 +22,6 @@ Q_LEN = 256
 TOTAL_KV_TILES = 9216  # B * n for every fixed-length case: 1152 sequences of 8 KV tiles
 KV_TILE = 128  # jagged_fwd.TUNING[(128, 1)]["BLOCK_N"]
 QUERY_BLOCK = 128  # rows of a one-head tile
-
-
-def _bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=specs.BENCH_WARMUP_MS, rep=specs.BENCH_REP_MS, return_mode="median")
 
 
 def _fa4():
@@ -54,16 +50,17 @@ def main(out_path: str) -> None:
         flops = specs.attention_flops([Q_LEN] * batch, lengths, heads, dim)
         tiles = batch * (Q_LEN // QUERY_BLOCK) * heads
         kv_steps = sum(-(-x // KV_TILE) for x in lengths) * (Q_LEN // QUERY_BLOCK) * heads
-        ms = _bench(lambda: jagged_fwd.jagged_attention_fwd(q, k, v, kv_offsets, kv_offsets, Q_LEN, max(lengths),
-                                                            None, False, None, True))
+        ms = do_bench_median(lambda: jagged_fwd.jagged_attention_fwd(q, k, v, kv_offsets, kv_offsets, Q_LEN,
+                                                                     max(lengths), None, False, None, True), [])
         row = dict(case=name, batch=batch, tiles=tiles, kv_steps=kv_steps, flops=flops, jfa_ms=ms,
                    jfa_tflops=flops / ms / 1e9, jfa_us_per_tile_per_sm=ms * 1e3 * sms / tiles,
                    jfa_us_per_step_per_sm=ms * 1e3 * sms / kv_steps)
         if fa4 is not None:
             q_rep = q.unsqueeze(0).expand(batch, Q_LEN, heads, dim).reshape(batch * Q_LEN, heads, dim).contiguous()
             cu_q = torch.arange(0, (batch + 1) * Q_LEN, Q_LEN, dtype=torch.int32, device="cuda")
-            fa4_ms = _bench(lambda: fa4.flash_attn_varlen_func(q_rep, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=kv_offsets,
-                                                               max_seqlen_q=Q_LEN, max_seqlen_k=max(lengths)))
+            fa4_ms = do_bench_median(lambda: fa4.flash_attn_varlen_func(
+                q_rep, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=kv_offsets, max_seqlen_q=Q_LEN,
+                max_seqlen_k=max(lengths)), [])
             row.update(fa4_ms=fa4_ms, fa4_tflops=flops / fa4_ms / 1e9)
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -12,7 +12,6 @@ import sys
 import time
 
 import torch
-import triton.testing
 
 from jfa import bench, envinfo, specs
 from jfa.providers import PROVIDERS
@@ -42,8 +41,7 @@ def _per_call(forward) -> dict:
     torch.cuda.synchronize()
     return dict(cpu_issue_us=(issued - started) / CALLS * 1e6, wall_us=(done - started) / CALLS * 1e6,
                 gpu_back_to_back_us=begin.elapsed_time(end) / CALLS * 1e3,
-                do_bench_us=triton.testing.do_bench(forward, warmup=specs.BENCH_WARMUP_MS, rep=specs.BENCH_REP_MS,
-                                                    return_mode="median") * 1e3)
+                do_bench_us=bench.do_bench_median(forward, []) * 1e3)
 
 
 def main(out_path: str) -> None:

@@ -13,18 +13,14 @@ import statistics
 import sys
 
 import torch
-import triton.testing
 from tlx.tutorials import hopper_fa_ws_pipelined_pingpong_persistent as tutorial
 
-from jfa import envinfo, specs
+from jfa import envinfo
+from jfa.bench import do_bench_median
 from jfa.kernels import jagged_fwd
 
 SHAPES = ((4, 32, 4096, 128), (1, 32, 16384, 128), (4, 32, 4096, 64))  # B, H, N, D
 ROUNDS = 4
-
-
-def _bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=specs.BENCH_WARMUP_MS, rep=specs.BENCH_REP_MS, return_mode="median")
 
 
 def main(out_path: str) -> None:
@@ -44,7 +40,7 @@ def main(out_path: str) -> None:
         order = list(contenders)
         for r in range(ROUNDS):
             for name in (order if r % 2 == 0 else order[::-1]):
-                times[name].append(_bench(contenders[name]))
+                times[name].append(do_bench_median(contenders[name], []))
         flops = 4.0 * batch * heads * n * n * dim
         row = dict(shape=dict(batch=batch, heads=heads, n=n, head_dim=dim), ms=times,
                    tflops={name: flops / statistics.median(t) / 1e9 for name, t in times.items()},
