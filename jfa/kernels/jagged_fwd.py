@@ -74,10 +74,10 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # inside the KV loop, at 240 (the producer, which only issues TMA, drops to 24) it does not
 # (`jfa.inspect` reports the spill bytes).
 TUNING = {
-    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232),
-    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
-    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
-    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232, HALF_TAIL=True),
+    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, HALF_TAIL=True),
+    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, HALF_TAIL=True),
+    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, HALF_TAIL=True),
 }
 ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer
 
@@ -95,13 +95,16 @@ def _tile_loop(num_tiles, prog, num_progs, ENTRY_MAJOR: tl.constexpr):
 def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
                    num_q_heads, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr,
+                   HALF_TAIL: tl.constexpr):
     """Decode tile id -> where its rows are and which key tiles it visits.
 
     Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
-    num_kv_tiles, bulk_lo, bulk_hi). Key tiles are numbered n = 0..num_kv_tiles-1 and start at
-    sequence-local column `first_col + n*BLOCK_N`; tiles bulk_lo <= n < bulk_hi need no mask
-    (tile 0 is peeled and always masked, so bulk_lo >= 1). `head` is the tile's first query head
+    num_kv_tiles, bulk_lo, bulk_hi, half_tail). Key tiles are numbered n = 0..num_kv_tiles-1 and
+    start at sequence-local column `first_col + n*BLOCK_N`; tiles bulk_lo <= n < bulk_hi need no mask
+    (tile 0 is peeled and always masked, so bulk_lo >= 1). half_tail is 1 when the last of two or
+    more key tiles holds at most BLOCK_N/2 visible keys: it is then loaded and multiplied as a half
+    tile (with HALF_TAIL only; bulk_lo, bulk_hi <= num_kv_tiles - half_tail). `head` is the tile's first query head
     (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let the
     Q tile be reused (broadcast-Q only).
     """
@@ -129,9 +132,61 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     bulk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo - first_col, BLOCK_N), 1), num_kv_tiles)
     bulk_hi = tl.minimum(tl.maximum(tl.maximum(full_hi - first_col, 0) // BLOCK_N, bulk_lo),
                          num_kv_tiles)
+    half_tail = 0
+    if HALF_TAIL:
+        tail_keys = kv_hi - first_col - (num_kv_tiles - 1) * BLOCK_N
+        half_tail = ((num_kv_tiles > 1) & (tail_keys <= BLOCK_N // 2)).to(tl.int32)
+        bulk_lo = tl.minimum(bulk_lo, num_kv_tiles - half_tail)
+        bulk_hi = tl.minimum(bulk_hi, num_kv_tiles - half_tail)
     q_row0 = q_start + row_lo
     return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
-            num_kv_tiles, bulk_lo, bulk_hi)
+            num_kv_tiles, bulk_lo, bulk_hi, half_tail)
+
+
+@triton.jit
+def _first_keys(tile, KEYS: tl.constexpr):
+    """The first KEYS rows of a `[BLOCK_N, D]` K or V buffer (the whole buffer when KEYS = BLOCK_N)."""
+    if KEYS == tile.shape[0]:
+        return tile
+    return tlx.local_slice(tile, [0, 0], [KEYS, tile.shape[1]])
+
+
+@triton.jit
+def _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties,
+                     kv_count, kv_row, head, gqa_group, HEAD_DIM: tl.constexpr,
+                     NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
+    """TMA-load the next KV tile (its first KEYS keys, `desc_k`/`desc_v` boxes of that many rows)
+    into the ring: one K and one V buffer per head of the tile."""
+    slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
+    BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(tlx.dtype_of(desc_k))
+    for lane in tl.static_range(HEADS_PER_TILE):
+        buf = slot * HEADS_PER_TILE + lane
+        kv_col = ((head + lane) // gqa_group) * HEAD_DIM  # GQA: query heads j*G .. j*G+G-1 read KV head j
+        tlx.barrier_wait(k_empties[buf], phase ^ 1)
+        tlx.barrier_expect_bytes(k_fulls[buf], BYTES)
+        tlx.async_descriptor_load(desc_k, _first_keys(k_tiles[buf], KEYS), [kv_row, kv_col],
+                                  k_fulls[buf])
+    for lane in tl.static_range(HEADS_PER_TILE):
+        buf = slot * HEADS_PER_TILE + lane
+        kv_col = ((head + lane) // gqa_group) * HEAD_DIM
+        tlx.barrier_wait(v_empties[buf], phase ^ 1)
+        tlx.barrier_expect_bytes(v_fulls[buf], BYTES)
+        tlx.async_descriptor_load(desc_v, _first_keys(v_tiles[buf], KEYS), [kv_row, kv_col],
+                                  v_fulls[buf])
+
+
+@triton.jit
+def _consumer_drain(p, acc, v_tiles, v_fulls, v_empties, kv_count, cid: tl.constexpr,
+                    NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
+    """The last KV tile's P·V (its first KEYS keys), which no later QK^T hides."""
+    LANE: tl.constexpr = cid if HEADS_PER_TILE == 2 else 0
+    v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
+    v_buf = v_slot * HEADS_PER_TILE + LANE
+    tlx.barrier_wait(v_fulls[v_buf], v_phase)
+    acc = tlx.async_dot(p.to(v_tiles.dtype), _first_keys(v_tiles[v_buf], KEYS), acc)
+    acc = tlx.async_dot_wait(0, acc)
+    tlx.barrier_arrive(v_empties[v_buf], 1)
+    return acc
 
 
 @triton.jit
@@ -139,8 +194,10 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
                       m_i, l_i, kv_count, col0, rows, q_len, kv_len, window, qk_scale_log2,
                       cid: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr):
-    """One KV tile of a consumer: issue QK^T(n), then P·V(n-1) behind it, then softmax(n).
+                      NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+                      KEYS: tl.constexpr):
+    """One KV tile of a consumer (its first KEYS keys): issue QK^T(n), then P·V(n-1) behind it,
+    then softmax(n).
 
     The P·V of the previous tile runs on the tensor cores while this warpgroup waits for QK^T and
     computes the softmax, so the exp2 work hides behind a matrix multiply. With two heads per tile
@@ -151,7 +208,7 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
     k_buf = k_slot * HEADS_PER_TILE + LANE
     tlx.barrier_wait(k_fulls[k_buf], k_phase)
     pingpong_enter(cid)
-    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_buf]))
+    qk = tlx.async_dot(q_tile, tlx.local_trans(_first_keys(k_tiles[k_buf], KEYS)))
     pingpong_exit(cid)
 
     v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
@@ -162,7 +219,7 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
     qk = tlx.async_dot_wait(1, qk)
     tlx.barrier_arrive(k_empties[k_buf], 1)
     if MASKED:
-        cols = col0 + tl.arange(0, BLOCK_N)
+        cols = col0 + tl.arange(0, KEYS)
         qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW), qk,
                       float("-inf"))
     p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i, qk_scale_log2, MASKED)
@@ -174,13 +231,13 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
 
 
 @triton.jit
-def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr,
+def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr,
                        tile_entries_ptr, num_entries_ptr, stride_out_row, stride_lse_head,
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
                        qk_scale_log2, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                        BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
-                       CONSUMER_REGISTERS: tl.constexpr):
+                       CONSUMER_REGISTERS: tl.constexpr, HALF_TAIL: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
@@ -192,7 +249,6 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
     KV_READERS: tl.constexpr = CONSUMERS // HEADS_PER_TILE  # consumers that free each K/V tile
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     Q_BYTES: tl.constexpr = ROWS * HEAD_DIM * tlx.size_of(dtype)
-    KV_BYTES: tl.constexpr = BLOCK_N * HEAD_DIM * tlx.size_of(dtype)
 
     num_entries = tl.load(num_entries_ptr)
     num_tiles = num_entries * (num_q_heads // HEADS_PER_TILE)
@@ -220,10 +276,10 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             for step in range(loop_start, loop_end, loop_step):
                 tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
-                 first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
+                 first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
                      tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
-                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR)
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL)
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
                         q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
@@ -238,24 +294,17 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                         q_loads += 1
                         loaded_q_key = q_key
                     kv_row = kv_start + first_col
-                    for _ in range(num_kv_tiles):
-                        slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
-                        for lane in tl.static_range(HEADS_PER_TILE):
-                            buf = slot * HEADS_PER_TILE + lane
-                            # GQA: query heads j*G .. j*G+G-1 read KV head j
-                            kv_col = ((head + lane) // gqa_group) * HEAD_DIM
-                            tlx.barrier_wait(k_empties[buf], phase ^ 1)
-                            tlx.barrier_expect_bytes(k_fulls[buf], KV_BYTES)
-                            tlx.async_descriptor_load(desc_k, k_tiles[buf], [kv_row, kv_col],
-                                                      k_fulls[buf])
-                        for lane in tl.static_range(HEADS_PER_TILE):
-                            buf = slot * HEADS_PER_TILE + lane
-                            kv_col = ((head + lane) // gqa_group) * HEAD_DIM
-                            tlx.barrier_wait(v_empties[buf], phase ^ 1)
-                            tlx.barrier_expect_bytes(v_fulls[buf], KV_BYTES)
-                            tlx.async_descriptor_load(desc_v, v_tiles[buf], [kv_row, kv_col],
-                                                      v_fulls[buf])
+                    for _ in range(num_kv_tiles - half_tail):
+                        _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties,
+                                         v_fulls, v_empties, kv_count, kv_row, head, gqa_group,
+                                         HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
                         kv_row += BLOCK_N
+                        kv_count += 1
+                    if half_tail:
+                        _produce_kv_tile(desc_k_tail, desc_v_tail, k_tiles, v_tiles, k_fulls,
+                                         k_empties, v_fulls, v_empties, kv_count, kv_row, head,
+                                         gqa_group, HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE,
+                                         BLOCK_N // 2)
                         kv_count += 1
 
         with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS,
@@ -270,10 +319,10 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
             for step in range(loop_start, loop_end, loop_step):
                 tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
                 (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
-                 first_col, num_kv_tiles, bulk_lo, bulk_hi) = _tile_geometry(
+                 first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
                      tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
-                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR)
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL)
                 first_row = row_lo + cid * ROW_STEP
                 rows = first_row + tl.arange(0, ROWS)
                 my_head = head + cid * HEAD_STEP
@@ -314,27 +363,32 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, 
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
                     for n in range(bulk_lo, bulk_hi):
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE)
-                    for n in range(bulk_hi, num_kv_tiles):
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
+                    for n in range(bulk_hi, num_kv_tiles - half_tail):
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
 
-                    # Drain: the last tile's P·V.
-                    v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
-                    v_buf = v_slot * HEADS_PER_TILE + LANE
-                    tlx.barrier_wait(v_fulls[v_buf], v_phase)
-                    acc = tlx.async_dot(p.to(dtype), v_tiles[v_buf], acc)
-                    acc = tlx.async_dot_wait(0, acc)
-                    tlx.barrier_arrive(v_empties[v_buf], 1)
+                    # Drain: the last tile's P·V; a half last tile multiplies only its half.
+                    if half_tail:
+                        p_tail, acc, m_i, l_i, kv_count = _consumer_kv_step(
+                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                            acc, m_i, l_i, kv_count, first_col + (num_kv_tiles - 1) * BLOCK_N,
+                            rows, q_len, kv_len, window, qk_scale_log2, cid, True, CAUSAL,
+                            HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2)
+                        acc = _consumer_drain(p_tail, acc, v_tiles, v_fulls, v_empties, kv_count,
+                                              cid, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2)
+                    else:
+                        acc = _consumer_drain(p, acc, v_tiles, v_fulls, v_empties, kv_count, cid,
+                                              NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
 
                     # Finalize inside the branch: joining the wgmma accumulator with a zero tile
                     # would make the compiler convert fp32 accumulators through shared memory.
@@ -395,8 +449,10 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                                heads_per_tile=heads_per_tile, entry_major=entry_major)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
+    tail_box = f"tensordesc<{name}[{constexprs['BLOCK_N'] // 2}, {head_dim}]>"
     signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>",
-                     desc_k=kv_box, desc_v=kv_box, out_ptr=f"*{name}", **_SIGNATURE_AFTER_OUT)
+                     desc_k=kv_box, desc_v=kv_box, desc_k_tail=tail_box, desc_v_tail=tail_box,
+                     out_ptr=f"*{name}", **_SIGNATURE_AFTER_OUT)
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
                       num_warps=PRODUCER_WARPS, name="jagged_fwd",
@@ -467,6 +523,7 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     _jagged_fwd_kernel[grid](
         _rows_descriptor(q, ROWS_PER_CONSUMER.value),
         _rows_descriptor(k, config["BLOCK_N"]), _rows_descriptor(v, config["BLOCK_N"]),
+        _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(v, config["BLOCK_N"] // 2),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,
         0 if window is None else window, q_heads // kv_heads, sm_scale * LOG2E.value,
