@@ -21,28 +21,33 @@ from jfa.reference import visible_mask
 from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
 
 BF16, FP16 = torch.bfloat16, torch.float16
-# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile): every flag combination with one
-# head per tile, and a spread of them with two (the short-query mode has its own ring layout).
-CONFIGS = [cfg + (1,) for cfg in itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
-                                                  (False, True), (None, 32), (False, True))]
-CONFIGS += [(64, BF16, False, None, True, 2), (128, BF16, False, None, True, 2),
-            (128, BF16, True, 32, False, 2), (128, FP16, False, None, False, 2),
-            (64, FP16, True, 32, True, 2), (128, BF16, False, 32, True, 2)]
+# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail): every flag combination
+# with one head per tile, a spread of them with two (the short-query mode has its own ring layout),
+# and a spread with half last tiles (compiled in for KV sequences of at most 1024 keys).
+CONFIGS = [cfg + (1, False) for cfg in itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
+                                                         (False, True), (None, 32), (False, True))]
+CONFIGS += [(64, BF16, False, None, True, 2, False), (128, BF16, False, None, True, 2, False),
+            (128, BF16, True, 32, False, 2, False), (128, FP16, False, None, False, 2, False),
+            (64, FP16, True, 32, True, 2, False), (128, BF16, False, 32, True, 2, False)]
+CONFIGS += [(128, BF16, False, None, False, 1, True), (128, BF16, False, None, True, 1, True),
+            (128, FP16, True, 32, False, 1, True), (64, BF16, False, None, False, 1, True),
+            (128, BF16, False, None, True, 2, True), (64, FP16, True, None, True, 2, True)]
 
 
 def _config_id(cfg):
-    head_dim, dtype, causal, window, broadcast_q, heads = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail = cfg
     return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
             f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
-            f"{'-2heads' if heads == 2 else ''}")
+            f"{'-2heads' if heads == 2 else ''}{'-halftail' if half_tail else ''}")
 
 
 def _compile(cfg) -> dict:
     """Compile one configuration for sm_90; returns what the checks read (picklable)."""
-    head_dim, dtype, causal, window, broadcast_q, heads = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail = cfg
     # Two heads per tile means every sequence is one query block, where the kernel runs entry-major.
     spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
-                                   broadcast_q=broadcast_q, heads_per_tile=heads, entry_major=heads == 2)
+                                   broadcast_q=broadcast_q, heads_per_tile=heads, entry_major=heads == 2,
+                                   half_tail=half_tail)
     kernel = jinspect.compile_spec(spec, "sm_90")
     return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared)
 
@@ -90,17 +95,29 @@ def test_ptx_instruction_counts_reported(compiled):
 # loop. At 232 consumer registers and with the row indices formed before the loop, D=128 spilled
 # about 2 KB, inside the loop too, and the dense forward ran 13% slower on the H200.
 FORWARD_SPILL_BUDGET_BYTES = 64
+# Local loads (and stores) allowed per KV loop body, by configuration. The half-tail kernel keeps one
+# loop-carried register in local memory in one consumer's masked edge loop (one LDL and one STL per
+# edge step, a step or two per tile; the mask-free loops are clean); it was measured with that
+# spill: GEM L=256 s=0.5 +9%, L=512 s=0.5 +13% (results/fwd-half-tail-ab-*).
+KV_LOOP_LOCAL_ACCESSES = {"gem-d128-halftail": 1}
 
 
-@pytest.mark.parametrize("cfg", [(128, BF16, False, None, False, 1), (128, BF16, False, None, True, 1),
-                                 (128, BF16, False, None, True, 2), (64, BF16, False, None, False, 1)],
-                         ids=["gem-d128", "pma-q256", "pma-q64", "dense-d64"])
-def test_benchmark_configurations_do_not_spill(compiled, cfg):
+BENCHMARK_CONFIGS = {"gem-d128": (128, BF16, False, None, False, 1, False),
+                     "pma-q256": (128, BF16, False, None, True, 1, False),
+                     "pma-q64": (128, BF16, False, None, True, 2, False),
+                     "dense-d64": (64, BF16, False, None, False, 1, False),
+                     "gem-d128-halftail": (128, BF16, False, None, False, 1, True)}
+
+
+@pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
+def test_benchmark_configurations_do_not_spill(compiled, name):
+    cfg = BENCHMARK_CONFIGS[name]
     spills = jinspect.spill_bytes(compiled[cfg]["ptx"], 90)
     assert max(spills.values()) <= FORWARD_SPILL_BUDGET_BYTES, spills
     kv_loops = jinspect.mma_loops(compiled[cfg]["cubin"])
     assert kv_loops, "no wgmma loop found in the SASS"
-    assert all(loop["local_loads"] == loop["local_stores"] == 0 for loop in kv_loops), kv_loops
+    allowed = KV_LOOP_LOCAL_ACCESSES.get(name, 0)
+    assert all(max(loop["local_loads"], loop["local_stores"]) <= allowed for loop in kv_loops), kv_loops
 
 
 def test_bad_config_raises():

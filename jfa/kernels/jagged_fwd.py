@@ -36,6 +36,13 @@ KV loop peeling. Key tiles that no mask can touch (inside the sequence, below th
 inside the window for every row of the block) run without mask arithmetic; only the first tile and
 the edge tiles (window start, causal diagonal, window end, sequence end) pay for it.
 
+Half last tile. A jagged sequence rarely ends on a tile boundary: on average half of its last key
+tile is padding, which costs the same wgmma work as real keys. When the last of two or more key
+tiles holds at most BLOCK_N/2 visible keys, the producer loads only its first half (a second pair of
+TMA descriptors with half-height boxes, into the first half of the ring slot) and the consumers run
+its QK^T and P·V at half width. It pays on short sequences, where that half tile is a large share
+of the work, and is compiled in only when no KV sequence exceeds `HALF_TAIL_MAX_KV_LEN`.
+
 Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
 kept while the program's consecutive tiles have the same (query block, head). Head-major, tiles t
 and t+P share the head and, when P is a multiple of the query blocks per sequence, the block.
@@ -74,11 +81,17 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # inside the KV loop, at 240 (the producer, which only issues TMA, drops to 24) it does not
 # (`jfa.inspect` reports the spill bytes).
 TUNING = {
-    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232, HALF_TAIL=True),
-    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, HALF_TAIL=True),
-    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, HALF_TAIL=True),
-    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, HALF_TAIL=True),
+    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232),
+    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
+    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
 }
+# Half last tiles (HALF_TAIL) are compiled in when no KV sequence is longer than this. Measured on
+# the H200 against whole last tiles (results/fwd-half-tail-ab-*): GEM L=256 s=0.5 +9%, L=512
+# s=0.5 +13%, D=64 L=1024 s=0.5 +6%; where sequences reach 2048 keys the saving was lost in the
+# noise (PMA q=256 +0.3%, GEM L=2048 s=0.5 -1%) and dense, which has no partial tile, ran 1.5%
+# slower with the extra code path compiled in.
+HALF_TAIL_MAX_KV_LEN = 1024
 ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer
 
 
@@ -370,7 +383,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
                             BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
-                    for n in range(bulk_hi, num_kv_tiles - half_tail):
+                    num_steps = num_kv_tiles - half_tail  # key tiles taken whole
+                    for n in range(bulk_hi, num_steps):
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
@@ -381,7 +395,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                     if half_tail:
                         p_tail, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, first_col + (num_kv_tiles - 1) * BLOCK_N,
+                            acc, m_i, l_i, kv_count, first_col + num_steps * BLOCK_N,
                             rows, q_len, kv_len, window, qk_scale_log2, cid, True, CAUSAL,
                             HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2)
                         acc = _consumer_drain(p_tail, acc, v_tiles, v_fulls, v_empties, kv_count,
@@ -426,7 +440,7 @@ def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
 
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                   window: int | None = None, broadcast_q: bool = False,
-                  heads_per_tile: int = 1, entry_major: bool = False) -> dict:
+                  heads_per_tile: int = 1, entry_major: bool = False, half_tail: bool = False) -> dict:
     """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem)."""
     if head_dim not in specs.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {specs.SUPPORTED_HEAD_DIMS}, got {head_dim}")
@@ -436,17 +450,19 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
         raise ValueError(f"heads_per_tile must be 1 or 2, got {heads_per_tile}")
     return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
-                ENTRY_MAJOR=bool(entry_major), **TUNING[(head_dim, heads_per_tile)])
+                ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
+                **TUNING[(head_dim, heads_per_tile)])
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1,
-                 entry_major: bool = False):
+                 entry_major: bool = False, half_tail: bool = False):
     """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
-                               heads_per_tile=heads_per_tile, entry_major=entry_major)
+                               heads_per_tile=heads_per_tile, entry_major=entry_major,
+                               half_tail=half_tail)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
     tail_box = f"tensordesc<{name}[{constexprs['BLOCK_N'] // 2}, {head_dim}]>"
@@ -511,7 +527,8 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
 
     pairing = heads_per_tile(max_seq_len_q, q_heads)
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window,
-                           broadcast_q=broadcast_q, heads_per_tile=pairing)
+                           broadcast_q=broadcast_q, heads_per_tile=pairing,
+                           half_tail=max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN)
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
                                        block_m=tile_rows(pairing), block_n=config["BLOCK_N"],
