@@ -23,7 +23,7 @@ from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
 BF16, FP16 = torch.bfloat16, torch.float16
 # (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail): every flag combination
 # with one head per tile, a spread of them with two (the short-query mode has its own ring layout),
-# and a spread with half last tiles (compiled in for KV sequences of at most 1024 keys).
+# and a spread with half last tiles (compiled in for KV sequences of at most 256 keys).
 CONFIGS = [cfg + (1, False) for cfg in itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
                                                          (False, True), (None, 32), (False, True))]
 CONFIGS += [(64, BF16, False, None, True, 2, False), (128, BF16, False, None, True, 2, False),
@@ -98,7 +98,7 @@ FORWARD_SPILL_BUDGET_BYTES = 64
 # Local loads (and stores) allowed per KV loop body, by configuration. The half-tail kernel keeps one
 # loop-carried register in local memory in one consumer's masked edge loop (one LDL and one STL per
 # edge step, a step or two per tile; the mask-free loops are clean); it was measured with that
-# spill: GEM L=256 s=0.5 +9%, L=512 s=0.5 +13% (results/fwd-half-tail-ab-*).
+# spill: GEM L=256 s=0.5 +8-9% (results/fwd-half-tail-ab-*).
 KV_LOOP_LOCAL_ACCESSES = {"gem-d128-halftail": 1}
 
 

@@ -40,8 +40,8 @@ Half last tile. A jagged sequence rarely ends on a tile boundary: on average hal
 tile is padding, which costs the same wgmma work as real keys. When the last of two or more key
 tiles holds at most BLOCK_N/2 visible keys, the producer loads only its first half (a second pair of
 TMA descriptors with half-height boxes, into the first half of the ring slot) and the consumers run
-its QK^T and P·V at half width. It pays on short sequences, where that half tile is a large share
-of the work, and is compiled in only when no KV sequence exceeds `HALF_TAIL_MAX_KV_LEN`.
+its QK^T and P·V at half width. It pays only on short sequences, where that half tile is a large
+share of the work, and is compiled in only when no KV sequence exceeds `HALF_TAIL_MAX_KV_LEN`.
 
 Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
 kept while the program's consecutive tiles have the same (query block, head). Head-major, tiles t
@@ -86,12 +86,13 @@ TUNING = {
     (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
     (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
 }
-# Half last tiles (HALF_TAIL) are compiled in when no KV sequence is longer than this. Measured on
-# the H200 against whole last tiles (results/fwd-half-tail-ab-*): GEM L=256 s=0.5 +9%, L=512
-# s=0.5 +13%, D=64 L=1024 s=0.5 +6%; where sequences reach 2048 keys the saving was lost in the
-# noise (PMA q=256 +0.3%, GEM L=2048 s=0.5 -1%) and dense, which has no partial tile, ran 1.5%
-# slower with the extra code path compiled in.
-HALF_TAIL_MAX_KV_LEN = 1024
+# Half last tiles (HALF_TAIL) are compiled in when no KV sequence is longer than this, i.e. at most
+# two key tiles, where half a tile is a quarter or more of the work. Measured on the H200 against
+# whole last tiles, same process, alternating rounds (results/fwd-half-tail-ab-*): GEM L=256 s=0.5
+# +8-9% in both runs (every round faster); at L=512 s=0.5 +1% and L=1024 s=0.5 -0.5% (8 rounds),
+# while L=512 s=1 and dense, which have no partial tile, ran 2.6% and 1.5% slower with the path
+# compiled in.
+HALF_TAIL_MAX_KV_LEN = 256
 ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer
 
 
