@@ -3,7 +3,7 @@ alternate which goes first (do_bench medians; the H200's clock moves with its po
 same-process alternation compares fairly). Each variant's output is checked against the fp32
 reference on 16 of the case's sequences, and the two variants' outputs against each other.
 
-    python scripts/ab_fwd_half_tail.py OUT.json [--rounds N] [--cases NAME,...]   (GPU host, .gpu-bundle)
+    python scripts/ab_fwd_half_tail.py OUT.json [--rounds N] [--case NAME ...]   (GPU host, .gpu-bundle)
 
 `results/fwd-half-tail-ab-*.json` are its runs; `jagged_fwd.HALF_TAIL_MAX_KV_LEN` comes from them.
 """
@@ -93,11 +93,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    parser.add_argument("--case", action="append", choices=list(CASES),
+                        help="a case to run (repeatable; default: every case)")
     args = parser.parse_args()
     default_bound = jagged_fwd.HALF_TAIL_MAX_KV_LEN
     rows = []
-    for name in args.cases.split(","):
+    for name in args.case or list(CASES):
         row = run_case(name, args.rounds)
         print(name.ljust(26), "  ".join(f"half={on} {tf:6.1f}" for on, tf in row["tflops_median"].items()),
               "relerr", row["relerr_vs_ref"], "unwritten", row["unwritten_rows"],
