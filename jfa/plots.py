@@ -179,3 +179,20 @@ def tile_cost(rows: Iterable[Mapping], *, dense_tflops: float | None = None,
         fig.add_hline(y=dense_tflops, line_dash="dot", annotation_text="jfa, dense D=128")
     return _finish(fig, title, xaxis_title="keys per sequence (log scale)", yaxis_title="TFLOP/s",
                    xaxis=dict(type="log", tickvals=keys))
+
+
+def clock_probe(rows: Iterable[Mapping], *, title: str = "Same kernel, same inputs: time against the SM clock"
+                ) -> go.Figure:
+    """Each timing of `scripts/clock_probe.py` at the mean SM clock nvidia-smi logged during it.
+
+    Rows without clock samples (a timing shorter than the log's interval) are left out. Under a power
+    cap the clock, not the code, sets how far apart repeated timings of one kernel land.
+    """
+    sampled = [r for r in rows if r.get("sm_clock_mhz_mean") is not None]
+    fig = go.Figure()
+    fig.add_scatter(x=[r["sm_clock_mhz_mean"] for r in sampled], y=[r["ms"] for r in sampled], mode="markers",
+                    name="jfa", marker_color=PROVIDER_COLORS.get("jfa"),
+                    customdata=[[r["i"], r.get("power_w_mean")] for r in sampled],
+                    hovertemplate="timing %{customdata[0]}<br>%{x} MHz, %{customdata[1]} W<br>%{y:.3f} ms<extra></extra>")
+    return _finish(fig, title, xaxis_title="mean SM clock during the timing (MHz)", yaxis_title="ms (do_bench median)")
+

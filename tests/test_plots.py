@@ -82,6 +82,13 @@ def test_tile_cost_plots_the_fixed_length_cases_by_key_count():
     assert len(plots.tile_cost([dict(case="kv=128", jfa_tflops=1.0)]).data) == 1  # no FA4 timing: no FA4 line
 
 
+def test_clock_probe_plots_time_against_the_logged_clock():
+    rows = [dict(i=0, ms=1.19), dict(i=1, ms=1.31, sm_clock_mhz_mean=1665, power_w_mean=303),
+            dict(i=2, ms=1.42, sm_clock_mhz_mean=1545, power_w_mean=690)]
+    fig = plots.clock_probe(rows)
+    assert list(fig.data[0].x) == [1665, 1545] and list(fig.data[0].y) == [1.31, 1.42]  # unsampled row left out
+
+
 def test_figures_from_the_stored_run(fake_run):
     rows = fake_run["rows"]
     assert len(plots.tflops_bar(rows, suite="gem", pass_="bwd").data) == 3
