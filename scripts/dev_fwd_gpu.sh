@@ -111,8 +111,14 @@ k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", dtype=torch.bfloat16) fo
 out, lse = jagged_fwd.jagged_attention_fwd(q, k, v, offsets, offsets, 130, 130, None, True, 40, False)
 pma, _ = jagged_fwd.jagged_attention_fwd(q[:16], k, v, torch.tensor([0, 16], dtype=torch.int32, device="cuda"),
                                          offsets, 16, 130, None, False, None, True)
+# D=128 with half last tiles (130, 200, 129: a last tile of 2, 72 and 1 keys; 256: whole tiles)
+tails = [130, 200, 256, 129, 1]
+tail_offsets = torch.tensor([0] + torch.tensor(tails).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+q2, k2, v2 = (torch.randn(sum(tails), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+half, _ = jagged_fwd.jagged_attention_fwd(q2, k2, v2, tail_offsets, tail_offsets, 256, 256, None, False, None, False)
 torch.cuda.synchronize()
-print("sanitizer case ran:", tuple(out.shape), tuple(pma.shape), bool(torch.isfinite(out).all()))
+print("sanitizer case ran:", tuple(out.shape), tuple(pma.shape), tuple(half.shape),
+      bool(torch.isfinite(out).all() and torch.isfinite(half).all()))
 PY
   SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$SANITIZER" ]; then
