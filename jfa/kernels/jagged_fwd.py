@@ -118,8 +118,8 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     start at sequence-local column `first_col + n*BLOCK_N`; tiles bulk_lo <= n < bulk_hi need no mask
     (tile 0 is peeled and always masked, so bulk_lo >= 1). half_tail is 1 when the last of two or
     more key tiles holds at most BLOCK_N/2 visible keys: it is then loaded and multiplied as a half
-    tile (with HALF_TAIL only; bulk_lo, bulk_hi <= num_kv_tiles - half_tail). `head` is the tile's first query head
-    (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let the
+    tile (with HALF_TAIL only; bulk_lo, bulk_hi <= num_kv_tiles - half_tail). `head` is the tile's
+    first query head (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let the
     Q tile be reused (broadcast-Q only).
     """
     if ENTRY_MAJOR:  # the module docstring says when and why
@@ -175,7 +175,8 @@ def _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties, v_ful
     BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(tlx.dtype_of(desc_k))
     for lane in tl.static_range(HEADS_PER_TILE):
         buf = slot * HEADS_PER_TILE + lane
-        kv_col = ((head + lane) // gqa_group) * HEAD_DIM  # GQA: query heads j*G .. j*G+G-1 read KV head j
+        # GQA: query heads j*G .. j*G+G-1 read KV head j
+        kv_col = ((head + lane) // gqa_group) * HEAD_DIM
         tlx.barrier_wait(k_empties[buf], phase ^ 1)
         tlx.barrier_expect_bytes(k_fulls[buf], BYTES)
         tlx.async_descriptor_load(desc_k, _first_keys(k_tiles[buf], KEYS), [kv_row, kv_col],
@@ -245,8 +246,9 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
 
 
 @triton.jit
-def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr, lse_ptr, q_offsets_ptr, kv_offsets_ptr,
-                       tile_entries_ptr, num_entries_ptr, stride_out_row, stride_lse_head,
+def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr, lse_ptr,
+                       q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr,
+                       stride_out_row, stride_lse_head,
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
                        qk_scale_log2, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
