@@ -166,28 +166,30 @@ def _first_keys(tile, KEYS: tl.constexpr):
 
 
 @triton.jit
-def _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties,
-                     kv_count, kv_row, head, gqa_group, HEAD_DIM: tl.constexpr,
-                     NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
-    """TMA-load the next KV tile (its first KEYS keys, `desc_k`/`desc_v` boxes of that many rows)
-    into the ring: one K and one V buffer per head of the tile."""
-    slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
-    BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(tlx.dtype_of(desc_k))
+def _load_ring_tiles(desc, tiles, fulls, empties, slot, phase, kv_row, head, gqa_group,
+                     HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
+    """TMA-load one K (or V) tile per head of the tile into ring slot `slot`, first KEYS keys each."""
+    BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(tlx.dtype_of(desc))
     for lane in tl.static_range(HEADS_PER_TILE):
         buf = slot * HEADS_PER_TILE + lane
         # GQA: query heads j*G .. j*G+G-1 read KV head j
         kv_col = ((head + lane) // gqa_group) * HEAD_DIM
-        tlx.barrier_wait(k_empties[buf], phase ^ 1)
-        tlx.barrier_expect_bytes(k_fulls[buf], BYTES)
-        tlx.async_descriptor_load(desc_k, _first_keys(k_tiles[buf], KEYS), [kv_row, kv_col],
-                                  k_fulls[buf])
-    for lane in tl.static_range(HEADS_PER_TILE):
-        buf = slot * HEADS_PER_TILE + lane
-        kv_col = ((head + lane) // gqa_group) * HEAD_DIM
-        tlx.barrier_wait(v_empties[buf], phase ^ 1)
-        tlx.barrier_expect_bytes(v_fulls[buf], BYTES)
-        tlx.async_descriptor_load(desc_v, _first_keys(v_tiles[buf], KEYS), [kv_row, kv_col],
-                                  v_fulls[buf])
+        tlx.barrier_wait(empties[buf], phase ^ 1)
+        tlx.barrier_expect_bytes(fulls[buf], BYTES)
+        tlx.async_descriptor_load(desc, _first_keys(tiles[buf], KEYS), [kv_row, kv_col], fulls[buf])
+
+
+@triton.jit
+def _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties,
+                     kv_count, kv_row, head, gqa_group, HEAD_DIM: tl.constexpr,
+                     NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
+    """TMA-load the next KV tile (its first KEYS keys, `desc_k`/`desc_v` boxes of that many rows)
+    into the ring: K first, so QK^T can start while V lands."""
+    slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
+    _load_ring_tiles(desc_k, k_tiles, k_fulls, k_empties, slot, phase, kv_row, head, gqa_group,
+                     HEAD_DIM, HEADS_PER_TILE, KEYS)
+    _load_ring_tiles(desc_v, v_tiles, v_fulls, v_empties, slot, phase, kv_row, head, gqa_group,
+                     HEAD_DIM, HEADS_PER_TILE, KEYS)
 
 
 @triton.jit
