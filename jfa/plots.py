@@ -195,4 +195,3 @@ def clock_probe(rows: Iterable[Mapping], *, title: str = "Same kernel, same inpu
                     customdata=[[r["i"], r.get("power_w_mean")] for r in sampled],
                     hovertemplate="timing %{customdata[0]}<br>%{x} MHz, %{customdata[1]} W<br>%{y:.3f} ms<extra></extra>")
     return _finish(fig, title, xaxis_title="mean SM clock during the timing (MHz)", yaxis_title="ms (do_bench median)")
-
