@@ -1,0 +1,131 @@
+"""CPU check of the forward's per-tile geometry (`jagged_fwd._tile_geometry`) against brute-force masks.
+
+The geometry decides, for one tile (a sequence's block of query rows), which key tiles the kernel
+visits, which of them run without masks, and whether the last one is loaded and multiplied at half
+width. The kernel itself needs a GPU, but the geometry is plain Triton: here it runs in Triton's
+interpreter through a small probe kernel, in a subprocess that imports the modules with
+`TRITON_INTERPRET=1` set (as `tests/test_schedule.py` does), over random sequences whose lengths mix
+the tile edges, with and without causal masks, windows and broadcast-Q. For every tile:
+
+- every key some row of the block sees lies in the visited range (whole tiles, then the half tile);
+- a half tile is taken only where the last tile's visible keys fit in its first half, and (where
+  the block-level key range is exact, i.e. not causal and window together) always when they do;
+- every key tile of the mask-free range is visible to every real row of the block, and that range
+  starts after the peeled first tile and ends before the half tile.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from jfa.jagged import lengths_to_offsets
+from jfa.kernels import jagged_fwd
+from jfa.reference import visible_mask
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+BLOCK_M = jagged_fwd.tile_rows(1)
+BLOCK_N = jagged_fwd.TUNING[(128, 1)]["BLOCK_N"]
+HALF = BLOCK_N // 2
+LENGTH_EDGES = (0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257)
+WINDOWS = (None, 0, 37, 64, 200)
+CASES = 150
+INTERPRETER_TIMEOUT_S = 240
+
+
+@triton.jit
+def _geometry_probe(out_ptr, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
+                    q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    BROADCAST_Q: tl.constexpr, HALF_TAIL: tl.constexpr):
+    """One program per tile (one query head, one head per tile, head-major): store its geometry,
+    (first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail)."""
+    tile = tl.program_id(0)
+    (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, num_kv_tiles,
+     bulk_lo, bulk_hi, half_tail) = jagged_fwd._tile_geometry(
+         tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, 1, q_blocks_per_seq,
+         broadcast_q_len, window, BLOCK_M, BLOCK_N, 1, CAUSAL, HAS_WINDOW, BROADCAST_Q, False,
+         HALF_TAIL)
+    base = out_ptr + tile * 5
+    tl.store(base, first_col)
+    tl.store(base + 1, num_kv_tiles)
+    tl.store(base + 2, bulk_lo)
+    tl.store(base + 3, bulk_hi)
+    tl.store(base + 4, half_tail)
+
+
+def _random_length(gen: torch.Generator, max_len: int) -> int:
+    if torch.rand((), generator=gen) < 0.5:
+        return LENGTH_EDGES[int(torch.randint(0, len(LENGTH_EDGES), (), generator=gen))]
+    return int(torch.randint(0, max_len + 1, (), generator=gen))
+
+
+def _geometry(q_lens, kv_lens, broadcast_q_len, causal, window, half_tail):
+    """(entries, geometry): every (sequence, query block) tile and its `_geometry_probe` row."""
+    blocks = max(1, -(-max(q_lens) // BLOCK_M))
+    entries = [(seq, block) for seq in range(len(kv_lens)) for block in range(blocks)]
+    out = torch.full((len(entries), 5), -99, dtype=torch.int32)
+    _geometry_probe[(len(entries),)](
+        out, torch.arange(len(entries), dtype=torch.int32), len(entries), lengths_to_offsets(q_lens),
+        lengths_to_offsets(kv_lens), blocks, broadcast_q_len, 0 if window is None else window,
+        BLOCK_M, BLOCK_N, causal, window is not None, broadcast_q_len > 0, half_tail)
+    return entries, out
+
+
+def _check_tile(q_len, kv_len, block, geometry, causal, window, half_tail_on, where):
+    first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail = geometry
+    rows = slice(block * BLOCK_M, min((block + 1) * BLOCK_M, q_len))
+    if rows.start >= q_len:
+        return  # a block past the sequence end: the kernel stores nothing for it
+    seen = visible_mask(q_len, kv_len, causal, window)[rows]
+    seen_cols = seen.any(0).nonzero().flatten().tolist()
+    whole = num_kv_tiles - half_tail
+    visited_end = first_col + whole * BLOCK_N + half_tail * HALF
+    assert all(first_col <= c < visited_end for c in seen_cols), (where, geometry, seen_cols[-3:])
+    assert half_tail in (0, 1) and (half_tail_on or half_tail == 0), (where, geometry)
+    if half_tail:
+        assert num_kv_tiles >= 2, (where, geometry)
+    last_start = first_col + (num_kv_tiles - 1) * BLOCK_N
+    exact_range = not (causal and window is not None)
+    if half_tail_on and exact_range and num_kv_tiles >= 2 and seen_cols:
+        fits = max(seen_cols) < last_start + HALF
+        assert half_tail == int(fits), (where, geometry, max(seen_cols))
+    assert 1 <= bulk_lo <= bulk_hi <= whole or (num_kv_tiles == 0 and bulk_hi <= 0), (where, geometry)
+    for n in range(bulk_lo, bulk_hi):
+        cols = slice(first_col + n * BLOCK_N, first_col + (n + 1) * BLOCK_N)
+        assert cols.stop <= kv_len and bool(seen[:, cols].all()), (where, geometry, n)
+
+
+def check_geometry(cases: int, seed: int) -> int:
+    """Run in the interpreter subprocess: `cases` random batches, every tile of each checked."""
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(cases):
+        batch = int(torch.randint(1, 6, (), generator=gen))
+        max_len = int(torch.tensor([130, 300, 700])[torch.randint(0, 3, (), generator=gen)])
+        kv_lens = [_random_length(gen, max_len) for _ in range(batch)]
+        broadcast = bool(torch.rand((), generator=gen) < 0.3)
+        q_lens = [max(1, _random_length(gen, max_len))] * batch if broadcast else kv_lens
+        causal = bool(torch.rand((), generator=gen) < 0.5)
+        window = WINDOWS[int(torch.randint(0, len(WINDOWS), (), generator=gen))]
+        if broadcast:
+            causal, window = False, None  # broadcast-Q queries have no position of their own
+        half_tail_on = bool(torch.rand((), generator=gen) < 0.8)
+        entries, out = _geometry(q_lens, kv_lens, q_lens[0] if broadcast else 0, causal, window,
+                                 half_tail_on)
+        for (seq, block), geometry in zip(entries, out.tolist()):
+            where = dict(case=case, seq=seq, block=block, q_len=q_lens[seq], kv_len=kv_lens[seq],
+                         causal=causal, window=window, broadcast=broadcast, half_tail=half_tail_on)
+            _check_tile(q_lens[seq], kv_lens[seq], block, geometry, causal, window, half_tail_on, where)
+    return cases
+
+
+def test_tile_geometry_matches_the_masks_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    code = (f"from tests.test_jagged_fwd_geometry import check_geometry; "
+            f"print('checked', check_geometry({CASES}, 7))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=INTERPRETER_TIMEOUT_S)
+    assert run.returncode == 0 and f"checked {CASES}" in run.stdout, (run.stdout + run.stderr)[-4000:]
