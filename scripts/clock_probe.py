@@ -15,33 +15,28 @@ import time
 
 import torch
 
-from jfa import envinfo, specs
-from jfa.bench import do_bench_median
-from jfa.jagged import gem_lengths, lengths_to_offsets
+from jfa import bench, envinfo, specs
 from jfa.kernels import jagged_fwd
 
-Q_LEN = 256
 TIMINGS = 24
 
 
 def main(out_path: str) -> None:
-    heads, dim = specs.GEM_HEADS, specs.GEM_HEAD_DIM
-    lengths = [int(x) for x in gem_lengths(specs.GEM_BATCH, specs.PMA_KV_MAX_LEN, 0.5, seed=specs.BENCH_SEED)]
-    kv_offsets = lengths_to_offsets(lengths).to(device="cuda", dtype=torch.int32)
-    q = torch.randn(Q_LEN, heads, dim, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    flops = specs.attention_flops([Q_LEN] * len(lengths), lengths, heads, dim)
+    case = next(c for c in specs.BENCH_SUITES["pma"] if c["q_len"] == 256)
+    problem = bench.make_problem(case, "cuda", 0)
+    q, k, v = (t.detach() for t in (problem.q, problem.k, problem.v))
+    flops = bench.case_flops(case, problem, "fwd")
 
     def forward():
-        return jagged_fwd.jagged_attention_fwd(q, k, v, kv_offsets, kv_offsets, Q_LEN, max(lengths), None,
-                                               False, None, True)
+        return jagged_fwd.jagged_attention_fwd(q, k, v, problem.q_offsets, problem.kv_offsets, problem.max_q,
+                                               problem.max_kv, None, False, None, True)
 
     forward()
     torch.cuda.synchronize()
     rows = []
     for i in range(TIMINGS):
         start = time.time()
-        ms = do_bench_median(forward, [])
+        ms = bench.do_bench_median(forward, [])
         rows.append(dict(i=i, start=start, end=time.time(), ms=ms, tflops=flops / ms / 1e9))
         print(f"{i:2d} {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
     with open(out_path, "w") as f:

@@ -13,9 +13,7 @@ import sys
 
 import torch
 
-from jfa import envinfo, specs
-from jfa.bench import do_bench_median
-from jfa.jagged import gem_lengths, lengths_to_offsets
+from jfa import bench, envinfo, specs
 from jfa.kernels import jagged_fwd
 
 Q_LEN = 256
@@ -34,9 +32,9 @@ def _fa4():
 
 
 def main(out_path: str) -> None:
-    heads, dim = specs.GEM_HEADS, specs.GEM_HEAD_DIM
+    pma_case = next(c for c in specs.BENCH_SUITES["pma"] if c["q_len"] == Q_LEN)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    drawn = [int(x) for x in gem_lengths(specs.GEM_BATCH, specs.PMA_KV_MAX_LEN, 0.5, seed=specs.BENCH_SEED)]
+    drawn = bench.case_lengths(pma_case)[1]
     cases = [(f"kv={n * KV_TILE}", [n * KV_TILE] * (TOTAL_KV_TILES // n)) for n in (1, 2, 4, 8, 16)]
     cases += [(f"kv~U[1,{specs.PMA_KV_MAX_LEN}]", drawn),
               (f"kv~U[1,{specs.PMA_KV_MAX_LEN}] rounded up to {KV_TILE}", [-(-x // KV_TILE) * KV_TILE for x in drawn])]
@@ -44,27 +42,29 @@ def main(out_path: str) -> None:
     rows = []
     for name, lengths in cases:
         batch = len(lengths)
-        kv_offsets = lengths_to_offsets(lengths).to(device="cuda", dtype=torch.int32)
-        q = torch.randn(Q_LEN, heads, dim, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        flops = specs.attention_flops([Q_LEN] * batch, lengths, heads, dim)
+        case = dict(pma_case, batch=batch)
+        problem = bench.make_problem(case, "cuda", 0, lengths=([Q_LEN] * batch, lengths))
+        q, k, v = (t.detach() for t in (problem.q, problem.k, problem.v))
+        kv_offsets, heads, dim = problem.kv_offsets, problem.heads, problem.head_dim
+        flops = bench.case_flops(case, problem, "fwd")
         tiles = batch * (Q_LEN // QUERY_BLOCK) * heads
         kv_steps = sum(-(-x // KV_TILE) for x in lengths) * (Q_LEN // QUERY_BLOCK) * heads
-        ms = do_bench_median(lambda: jagged_fwd.jagged_attention_fwd(q, k, v, kv_offsets, kv_offsets, Q_LEN,
-                                                                     max(lengths), None, False, None, True), [])
+        ms = bench.do_bench_median(lambda: jagged_fwd.jagged_attention_fwd(q, k, v, problem.q_offsets, kv_offsets,
+                                                                           Q_LEN, max(lengths), None, False, None,
+                                                                           True), [])
         row = dict(case=name, batch=batch, tiles=tiles, kv_steps=kv_steps, flops=flops, jfa_ms=ms,
                    jfa_tflops=flops / ms / 1e9, jfa_us_per_tile_per_sm=ms * 1e3 * sms / tiles,
                    jfa_us_per_step_per_sm=ms * 1e3 * sms / kv_steps)
         if fa4 is not None:
             q_rep = q.unsqueeze(0).expand(batch, Q_LEN, heads, dim).reshape(batch * Q_LEN, heads, dim).contiguous()
             cu_q = torch.arange(0, (batch + 1) * Q_LEN, Q_LEN, dtype=torch.int32, device="cuda")
-            fa4_ms = do_bench_median(lambda: fa4.flash_attn_varlen_func(
+            fa4_ms = bench.do_bench_median(lambda: fa4.flash_attn_varlen_func(
                 q_rep, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=kv_offsets, max_seqlen_q=Q_LEN,
                 max_seqlen_k=max(lengths)), [])
             row.update(fa4_ms=fa4_ms, fa4_tflops=flops / fa4_ms / 1e9)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        del q, k, v
+        del q, k, v, problem
         torch.cuda.empty_cache()
     with open(out_path, "w") as f:
         json.dump(dict(kind="forward tile cost, broadcast-Q q=256", env=envinfo.environment(), sms=sms, rows=rows),
