@@ -25,11 +25,13 @@ import triton.language as tl
 from jfa.jagged import lengths_to_offsets
 from jfa.kernels import jagged_fwd
 from jfa.reference import visible_mask
+from tests.test_schedule import random_lengths
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK_M = jagged_fwd.tile_rows(1)
 BLOCK_N = jagged_fwd.TUNING[(128, 1)]["BLOCK_N"]
 HALF = BLOCK_N // 2
+# Key-tile edges, and where a last tile turns from half (<= 64 keys) to whole: 192 | 193.
 LENGTH_EDGES = (0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257)
 WINDOWS = (None, 0, 37, 64, 200)
 CASES = 150
@@ -55,12 +57,6 @@ def _geometry_probe(out_ptr, tile_entries_ptr, num_entries, q_offsets_ptr, kv_of
     tl.store(base + 2, bulk_lo)
     tl.store(base + 3, bulk_hi)
     tl.store(base + 4, half_tail)
-
-
-def _random_length(gen: torch.Generator, max_len: int) -> int:
-    if torch.rand((), generator=gen) < 0.5:
-        return LENGTH_EDGES[int(torch.randint(0, len(LENGTH_EDGES), (), generator=gen))]
-    return int(torch.randint(0, max_len + 1, (), generator=gen))
 
 
 def _geometry(q_lens, kv_lens, broadcast_q_len, causal, window, half_tail):
@@ -105,9 +101,9 @@ def check_geometry(cases: int, seed: int) -> int:
     for case in range(cases):
         batch = int(torch.randint(1, 6, (), generator=gen))
         max_len = int(torch.tensor([130, 300, 700])[torch.randint(0, 3, (), generator=gen)])
-        kv_lens = [_random_length(gen, max_len) for _ in range(batch)]
+        kv_lens = random_lengths(gen, batch, max_len, LENGTH_EDGES)
         broadcast = bool(torch.rand((), generator=gen) < 0.3)
-        q_lens = [max(1, _random_length(gen, max_len))] * batch if broadcast else kv_lens
+        q_lens = [max(1, *random_lengths(gen, 1, max_len, LENGTH_EDGES))] * batch if broadcast else kv_lens
         causal = bool(torch.rand((), generator=gen) < 0.5)
         window = WINDOWS[int(torch.randint(0, len(WINDOWS), (), generator=gen))]
         if broadcast:

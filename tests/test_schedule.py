@@ -33,9 +33,9 @@ MAX_PROGRAMS = 8  # the interpreter runs programs one after another, ~10 ms each
 INTERPRETER_TIMEOUT_S = 120
 
 
-def random_lengths(gen: torch.Generator, batch: int, max_len: int) -> list[int]:
+def random_lengths(gen: torch.Generator, batch: int, max_len: int, edges=LENGTH_EDGES) -> list[int]:
     """Lengths in [0, max_len]: a third block edges, a third the max, a third uniform."""
-    edges = [e for e in LENGTH_EDGES if e <= max_len] + [max_len]
+    edges = [e for e in edges if e <= max_len] + [max_len]
     kind = torch.randint(0, 3, (batch,), generator=gen).tolist()
     return [edges[int(torch.randint(0, len(edges), (1,), generator=gen))] if k == 0
             else max_len if k == 1 else int(torch.randint(0, max_len + 1, (1,), generator=gen))
