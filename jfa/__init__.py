@@ -9,15 +9,17 @@ from jfa import jagged, reference
 from jfa.ops import ReferenceFallbackWarning, backend_for, jagged_attention
 
 __all__ = ["__version__", "jagged", "reference", "jagged_attention", "backend_for", "ReferenceFallbackWarning",
-           "block_attention", "fused_projection_rotary_block_attention"]
+           "block_attention", "fused_projection_rotary_block_attention", "block_sparse_attention"]
 
-# Block attention registers its own custom ops and imports its TLX kernels: load it on first use only.
-_BLOCK_API = ("block_attention", "fused_projection_rotary_block_attention")
+# These modules register their own custom ops (block attention also imports its TLX kernels): each is
+# loaded on first use only.
+_LAZY_API = {"block_attention": "block", "fused_projection_rotary_block_attention": "block",
+             "block_sparse_attention": "sparse"}
 
 
 def __getattr__(name):
-    if name in _BLOCK_API:
-        from jfa import block
+    if name in _LAZY_API:
+        import importlib
 
-        return getattr(block, name)
+        return getattr(importlib.import_module(f"jfa.{_LAZY_API[name]}"), name)
     raise AttributeError(f"module 'jfa' has no attribute {name!r}")

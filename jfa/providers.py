@@ -30,6 +30,8 @@ VARLEN_KINDS = ("jagged", "pma", "dense", "block")
 EXPANDED_Q_NOTE = "Q expanded B times outside the timed region (peer has no broadcast-Q); dQ is not summed"
 BLOCKS_AS_SEQUENCES_NOTE = "each 64-token block passed as its own sequence"
 FP8_NO_BACKWARD = "unavailable: the FP8 kernels are forward-only"
+SPARSE_REFERENCE_BACKWARD = ("unavailable: jfa.block_sparse_attention's backward is the PyTorch reference "
+                             "(no TLX kernel yet), not timed")
 
 
 class ProviderUnavailable(RuntimeError):
@@ -101,6 +103,8 @@ def _identity(out: torch.Tensor) -> torch.Tensor:
 # ---- jfa -------------------------------------------------------------------------------------
 JFA_KERNEL_BACKEND = "tlx-sm90"  # what jfa.backend_for(q) answers when the TLX forward kernel runs
 JFA_VALIDATED_NOTE = "inputs validated once outside the timed region; timed: jfa.ops.jagged_attention_validated"
+SPARSE_VALIDATED_NOTE = ("inputs validated once outside the timed region; timed: the jfa::block_sparse_attention_fwd "
+                         "op, which canonicalizes the selection on the GPU")
 
 
 def _jfa_kernel_or_why(module: str, q: torch.Tensor) -> str | None:
@@ -141,11 +145,16 @@ def build_jfa(problem: Problem) -> ProviderRun:
         return ProviderRun(lambda: block.block_attention(q, k, v, problem.q_offsets), _identity, [q, k, v])
     jfa = _import("jfa", "jfa")
     if problem.kind == "block_sparse":
-        if not hasattr(jfa, "block_sparse_attention"):
-            raise ProviderUnavailable("jfa.block_sparse_attention is not defined yet")
+        why = _jfa_kernel_or_why("jagged_fwd", q)
+        if why:
+            raise ProviderUnavailable(why)
+        sparse = _import("jfa.sparse", "jfa")
         block = specs.BLOCK_SPARSE_BLOCK
         args = (q, k, v, problem.q_offsets, problem.kv_offsets, problem.kv_block_idx, block, block)
-        return ProviderRun(lambda: _first(jfa.block_sparse_attention(*args)), _identity, [q, k, v])
+        checked = sparse.validate_block_sparse_attention(*args, problem.max_q, problem.max_kv)
+        op_args = args + (checked.max_seq_len_q, checked.max_seq_len_kv, checked.sm_scale, False)
+        return ProviderRun(lambda: sparse.block_sparse_attention_fwd(*op_args)[0], _identity, [q, k, v],
+                           no_backward=SPARSE_REFERENCE_BACKWARD, notes=[SPARSE_VALIDATED_NOTE])
     if problem.kind == "fp8":
         if not hasattr(jfa, "jagged_attention_fp8"):
             raise ProviderUnavailable("jfa.jagged_attention_fp8 is not defined yet")

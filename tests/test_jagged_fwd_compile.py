@@ -21,9 +21,10 @@ from jfa.reference import visible_mask
 from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
 
 BF16, FP16 = torch.bfloat16, torch.float16
-# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail): every flag combination
-# with one head per tile, a spread of them with two (the short-query mode has its own ring layout),
-# and a spread with half last tiles (compiled in for KV sequences of at most 256 keys).
+# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail, selection_width): every
+# flag combination with one head per tile, a spread of them with two (the short-query mode has its
+# own ring layout), a spread with half last tiles (compiled in for KV sequences of at most 256 keys)
+# and the block-sparse fork (selection_width > 0; one head per tile, no window or broadcast-Q).
 CONFIGS = [cfg + (1, False) for cfg in itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
                                                          (False, True), (None, 32), (False, True))]
 CONFIGS += [(64, BF16, False, None, True, 2, False), (128, BF16, False, None, True, 2, False),
@@ -32,22 +33,26 @@ CONFIGS += [(64, BF16, False, None, True, 2, False), (128, BF16, False, None, Tr
 CONFIGS += [(128, BF16, False, None, False, 1, True), (128, BF16, False, None, True, 1, True),
             (128, FP16, True, 32, False, 1, True), (64, BF16, False, None, False, 1, True),
             (128, BF16, False, None, True, 2, True), (64, FP16, True, None, True, 2, True)]
+CONFIGS = [cfg + (0,) for cfg in CONFIGS]
+CONFIGS += [(128, BF16, False, None, False, 1, False, 16), (128, FP16, True, None, False, 1, False, 8),
+            (64, BF16, True, None, False, 1, False, 32), (64, FP16, False, None, False, 1, False, 1)]
 
 
 def _config_id(cfg):
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width = cfg
     return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
             f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
-            f"{'-2heads' if heads == 2 else ''}{'-halftail' if half_tail else ''}")
+            f"{'-2heads' if heads == 2 else ''}{'-halftail' if half_tail else ''}"
+            f"{f'-sparse{selection_width}' if selection_width else ''}")
 
 
 def _compile(cfg) -> dict:
     """Compile one configuration for sm_90; returns what the checks read (picklable)."""
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width = cfg
     # Two heads per tile means every sequence is one query block, where the kernel runs entry-major.
     spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                                    broadcast_q=broadcast_q, heads_per_tile=heads, entry_major=heads == 2,
-                                   half_tail=half_tail)
+                                   half_tail=half_tail, selection_width=selection_width)
     kernel = jinspect.compile_spec(spec, "sm_90")
     return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared)
 
@@ -102,11 +107,12 @@ FORWARD_SPILL_BUDGET_BYTES = 64
 KV_LOOP_LOCAL_ACCESSES = {"gem-d128-halftail": 1}
 
 
-BENCHMARK_CONFIGS = {"gem-d128": (128, BF16, False, None, False, 1, False),
-                     "pma-q256": (128, BF16, False, None, True, 1, False),
-                     "pma-q64": (128, BF16, False, None, True, 2, False),
-                     "dense-d64": (64, BF16, False, None, False, 1, False),
-                     "gem-d128-halftail": (128, BF16, False, None, False, 1, True)}
+BENCHMARK_CONFIGS = {"gem-d128": (128, BF16, False, None, False, 1, False, 0),
+                     "pma-q256": (128, BF16, False, None, True, 1, False, 0),
+                     "pma-q64": (128, BF16, False, None, True, 2, False, 0),
+                     "dense-d64": (64, BF16, False, None, False, 1, False, 0),
+                     "gem-d128-halftail": (128, BF16, False, None, False, 1, True, 0),
+                     "block-sparse-d128": (128, BF16, False, None, False, 1, False, 16)}
 
 
 @pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
@@ -127,6 +133,10 @@ def test_bad_config_raises():
         jagged_fwd.kernel_config(128, torch.float32)
     with pytest.raises(ValueError, match="heads_per_tile"):
         jagged_fwd.kernel_config(128, torch.bfloat16, heads_per_tile=4)
+    with pytest.raises(ValueError, match="power of two"):
+        jagged_fwd.kernel_config(128, torch.bfloat16, selection_width=12)
+    with pytest.raises(ValueError, match="block-sparse"):
+        jagged_fwd.kernel_config(128, torch.bfloat16, window=8, selection_width=16)
 
 
 def test_short_queries_pair_heads():

@@ -12,6 +12,10 @@ the tile edges, with and without causal masks, windows and broadcast-Q. For ever
   the block-level key range is exact, i.e. not causal and window together) always when they do;
 - every key tile of the mask-free range is visible to every real row of the block, and that range
   starts after the peeled first tile and ends before the half tile.
+
+The block-sparse fork's geometry is checked the same way against random raw selections (padding,
+repeats, picks past the sequence): the tile visits exactly its distinct selected blocks when the
+block sees any key, and its mask-free range is exactly the selected blocks every real row sees whole.
 """
 import os
 import pathlib
@@ -25,6 +29,7 @@ import triton.language as tl
 from jfa.jagged import lengths_to_offsets
 from jfa.kernels import jagged_fwd
 from jfa.reference import visible_mask
+from jfa.sparse import canonical_selection
 from tests.test_schedule import random_lengths
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,22 +40,24 @@ HALF = BLOCK_N // 2
 LENGTH_EDGES = (0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257)
 WINDOWS = (None, 0, 37, 64, 200)
 CASES = 150
+SPARSE_CASES = 60
 INTERPRETER_TIMEOUT_S = 240
 
 
 @triton.jit
 def _geometry_probe(out_ptr, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
-                    q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    BROADCAST_Q: tl.constexpr, HALF_TAIL: tl.constexpr):
+                    kv_blocks_ptr, kv_block_counts_ptr, q_blocks_per_seq, broadcast_q_len, window,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, HALF_TAIL: tl.constexpr,
+                    BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
     """One program per tile (one query head, one head per tile, head-major): store its geometry,
     (first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail)."""
     tile = tl.program_id(0)
-    (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, num_kv_tiles,
-     bulk_lo, bulk_hi, half_tail) = jagged_fwd._tile_geometry(
-         tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, 1, q_blocks_per_seq,
-         broadcast_q_len, window, BLOCK_M, BLOCK_N, 1, CAUSAL, HAS_WINDOW, BROADCAST_Q, False,
-         HALF_TAIL)
+    (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, selected,
+     num_kv_tiles, bulk_lo, bulk_hi, half_tail) = jagged_fwd._tile_geometry(
+         tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, kv_blocks_ptr,
+         kv_block_counts_ptr, q_blocks_per_seq, 1, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M,
+         BLOCK_N, 1, CAUSAL, HAS_WINDOW, BROADCAST_Q, False, HALF_TAIL, BLOCK_SPARSE, SEL_WIDTH)
     base = out_ptr + tile * 5
     tl.store(base, first_col)
     tl.store(base + 1, num_kv_tiles)
@@ -59,15 +66,17 @@ def _geometry_probe(out_ptr, tile_entries_ptr, num_entries, q_offsets_ptr, kv_of
     tl.store(base + 4, half_tail)
 
 
-def _geometry(q_lens, kv_lens, broadcast_q_len, causal, window, half_tail):
+def _geometry(q_lens, kv_lens, broadcast_q_len, causal, window, half_tail, selection=None):
     """(entries, geometry): every (sequence, query block) tile and its `_geometry_probe` row."""
     blocks = max(1, -(-max(q_lens) // BLOCK_M))
     entries = [(seq, block) for seq in range(len(kv_lens)) for block in range(blocks)]
     out = torch.full((len(entries), 5), -99, dtype=torch.int32)
     _geometry_probe[(len(entries),)](
         out, torch.arange(len(entries), dtype=torch.int32), len(entries), lengths_to_offsets(q_lens),
-        lengths_to_offsets(kv_lens), blocks, broadcast_q_len, 0 if window is None else window,
-        BLOCK_M, BLOCK_N, causal, window is not None, broadcast_q_len > 0, half_tail)
+        lengths_to_offsets(kv_lens), None if selection is None else selection.blocks,
+        None if selection is None else selection.counts, blocks, broadcast_q_len,
+        0 if window is None else window, BLOCK_M, BLOCK_N, causal, window is not None, broadcast_q_len > 0,
+        half_tail, selection is not None, 1 if selection is None else selection.width)
     return entries, out
 
 
@@ -118,10 +127,48 @@ def check_geometry(cases: int, seed: int) -> int:
     return cases
 
 
-def test_tile_geometry_matches_the_masks_in_the_interpreter():
+def check_sparse_geometry(cases: int, seed: int) -> int:
+    """Run in the interpreter subprocess: the block-sparse fork on `cases` random batches and raw
+    selections; for every tile the visited blocks and the mask-free range against the masks."""
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(cases):
+        batch = int(torch.randint(1, 5, (), generator=gen))
+        lengths = random_lengths(gen, batch, 700, LENGTH_EDGES)
+        causal = bool(torch.rand((), generator=gen) < 0.5)
+        q_blocks = max(1, -(-max(lengths) // BLOCK_M))
+        picks = int(torch.randint(1, 9, (), generator=gen))
+        raw = torch.randint(-1, q_blocks + 2, (batch, 1, q_blocks, picks), generator=gen, dtype=torch.int32)
+        selection = canonical_selection(raw, lengths_to_offsets(lengths), BLOCK_N)
+        entries, out = _geometry(lengths, lengths, 0, causal, None, False, selection)
+        for (seq, block), (_, num_kv_tiles, bulk_lo, bulk_hi, _) in zip(entries, out.tolist()):
+            rows = slice(block * BLOCK_M, min((block + 1) * BLOCK_M, lengths[seq]))
+            if rows.start >= lengths[seq]:
+                continue
+            seen = visible_mask(lengths[seq], lengths[seq], causal, None)[rows]
+            chosen = sorted({b for b in raw[seq, 0, block].tolist() if 0 <= b * BLOCK_N < lengths[seq]})
+            where = dict(case=case, seq=seq, block=block, length=lengths[seq], causal=causal, chosen=chosen)
+            expected = len(chosen) if seen.any() else 0
+            assert num_kv_tiles == expected, (where, num_kv_tiles)
+            whole = [b for b in chosen if (b + 1) * BLOCK_N <= lengths[seq]
+                     and bool(seen[:, b * BLOCK_N:(b + 1) * BLOCK_N].all())]
+            if expected:  # tile 0 is peeled (masked); the bulk holds every other whole block
+                assert bulk_lo == 1 and 1 <= bulk_hi <= expected, (where, bulk_lo, bulk_hi)
+                assert all(b in whole for b in chosen[1:bulk_hi]), (where, bulk_hi, whole)
+                assert not any(b in whole for b in chosen[bulk_hi:]), (where, bulk_hi, whole)
+    return cases
+
+
+def _run_in_interpreter(call: str, expected: str):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    code = (f"from tests.test_jagged_fwd_geometry import check_geometry; "
-            f"print('checked', check_geometry({CASES}, 7))")
+    code = f"from tests.test_jagged_fwd_geometry import *; print({call})"
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=INTERPRETER_TIMEOUT_S)
-    assert run.returncode == 0 and f"checked {CASES}" in run.stdout, (run.stdout + run.stderr)[-4000:]
+    assert run.returncode == 0 and expected in run.stdout, (run.stdout + run.stderr)[-4000:]
+
+
+def test_tile_geometry_matches_the_masks_in_the_interpreter():
+    _run_in_interpreter(f"'checked', check_geometry({CASES}, 7)", f"checked {CASES}")
+
+
+def test_block_sparse_geometry_matches_the_masks_in_the_interpreter():
+    _run_in_interpreter(f"'checked', check_sparse_geometry({SPARSE_CASES}, 11)", f"checked {SPARSE_CASES}")

@@ -107,20 +107,29 @@ def _tile_loop(num_tiles, prog, num_progs, ENTRY_MAJOR: tl.constexpr):
 
 @triton.jit
 def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
+                   kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks,
                    num_q_heads, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr,
-                   HALF_TAIL: tl.constexpr):
+                   HALF_TAIL: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
     """Decode tile id -> where its rows are and which key tiles it visits.
 
-    Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+    Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, selected,
     num_kv_tiles, bulk_lo, bulk_hi, half_tail). Key tiles are numbered n = 0..num_kv_tiles-1 and
-    start at sequence-local column `first_col + n*BLOCK_N`; tiles bulk_lo <= n < bulk_hi need no mask
-    (tile 0 is peeled and always masked, so bulk_lo >= 1). half_tail is 1 when the last of two or
-    more key tiles holds at most BLOCK_N/2 visible keys: it is then loaded and multiplied as a half
-    tile (with HALF_TAIL only; bulk_lo, bulk_hi <= num_kv_tiles - half_tail). `head` is the tile's
-    first query head (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let the
-    Q tile be reused (broadcast-Q only).
+    start at sequence-local column `_key_tile_col(n, ...)`: `first_col + n*BLOCK_N`, or with
+    BLOCK_SPARSE the n-th selected block, read from `selected` (the tile's row of the selection); tiles
+    bulk_lo <= n < bulk_hi need no mask (tile 0 is peeled and always masked, so bulk_lo >= 1).
+    half_tail is 1 when the last of two or more key tiles holds at most BLOCK_N/2 visible keys: it
+    is then loaded and multiplied as a half tile (with HALF_TAIL only; bulk_lo, bulk_hi <=
+    num_kv_tiles - half_tail). `head` is the tile's first query head (HEADS_PER_TILE of them).
+    `q_key` identifies the Q block: equal keys on consecutive tiles let the Q tile be reused
+    (broadcast-Q only).
+
+    Block-sparse (`jfa.sparse`): the selection holds, per (sequence, query head, query block), the
+    distinct selected key blocks in ascending order, padded to SEL_WIDTH entries, and their count.
+    Without a window every row sees key 0, so the blocks every row sees whole are a prefix of that
+    order: they form the mask-free bulk, and the masked blocks (the sequence's partial last block,
+    blocks the causal diagonal cuts) come after it.
     """
     if ENTRY_MAJOR:  # the module docstring says when and why
         head_groups = num_q_heads // HEADS_PER_TILE
@@ -142,10 +151,21 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     kv_lo, kv_hi, full_lo, full_hi = visible_key_range(row_lo, row_hi, q_len, kv_len, window, CAUSAL,
                                                        HAS_WINDOW)
     first_col = (kv_lo // BLOCK_N) * BLOCK_N
-    num_kv_tiles = tl.where(kv_hi > kv_lo, tl.cdiv(kv_hi - first_col, BLOCK_N), 0)
-    bulk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo - first_col, BLOCK_N), 1), num_kv_tiles)
-    bulk_hi = tl.minimum(tl.maximum(tl.maximum(full_hi - first_col, 0) // BLOCK_N, bulk_lo),
-                         num_kv_tiles)
+    if BLOCK_SPARSE:
+        sel_entry = (seq * num_q_heads + head) * sel_q_blocks + q_block
+        selected = kv_blocks_ptr + sel_entry.to(tl.int64) * SEL_WIDTH
+        num_kv_tiles = tl.where(kv_hi > kv_lo, tl.load(kv_block_counts_ptr + sel_entry), 0)
+        picks = tl.arange(0, SEL_WIDTH)
+        blocks = tl.load(selected + picks, mask=picks < num_kv_tiles, other=0)
+        whole = (picks < num_kv_tiles) & ((blocks + 1) * BLOCK_N <= full_hi)
+        bulk_lo = tl.minimum(1, num_kv_tiles)
+        bulk_hi = tl.maximum(tl.sum(whole.to(tl.int32), 0), bulk_lo)
+    else:
+        selected = first_col  # unused: consecutive key tiles
+        num_kv_tiles = tl.where(kv_hi > kv_lo, tl.cdiv(kv_hi - first_col, BLOCK_N), 0)
+        bulk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo - first_col, BLOCK_N), 1), num_kv_tiles)
+        bulk_hi = tl.minimum(tl.maximum(tl.maximum(full_hi - first_col, 0) // BLOCK_N, bulk_lo),
+                             num_kv_tiles)
     half_tail = 0
     if HALF_TAIL:
         tail_keys = kv_hi - first_col - (num_kv_tiles - 1) * BLOCK_N
@@ -153,8 +173,17 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
         bulk_lo = tl.minimum(bulk_lo, num_kv_tiles - half_tail)
         bulk_hi = tl.minimum(bulk_hi, num_kv_tiles - half_tail)
     q_row0 = q_start + row_lo
-    return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+    return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, selected,
             num_kv_tiles, bulk_lo, bulk_hi, half_tail)
+
+
+@triton.jit
+def _key_tile_col(n, first_col, selected, BLOCK_N: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+    """Sequence-local first key of a tile's n-th key tile: consecutive tiles, or the n-th selected
+    block (the one line where the block-sparse fork changes the iteration)."""
+    if BLOCK_SPARSE:
+        return tl.load(selected + n) * BLOCK_N
+    return first_col + n * BLOCK_N
 
 
 @triton.jit
@@ -250,12 +279,13 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
 @triton.jit
 def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr, lse_ptr,
                        q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr,
-                       stride_out_row, stride_lse_head,
+                       kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, stride_out_row, stride_lse_head,
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
                        qk_scale_log2, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                        BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
-                       CONSUMER_REGISTERS: tl.constexpr, HALF_TAIL: tl.constexpr):
+                       CONSUMER_REGISTERS: tl.constexpr, HALF_TAIL: tl.constexpr,
+                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
@@ -293,11 +323,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
             loop_start, loop_end, loop_step = _tile_loop(num_tiles, first_tile, tile_stride, ENTRY_MAJOR)
             for step in range(loop_start, loop_end, loop_step):
                 tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
-                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
-                 first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
-                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+                 selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
+                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
+                     kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
-                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL)
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
+                     SEL_WIDTH)
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
                         q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
@@ -311,14 +343,16 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                                 q_fulls[buf])
                         q_loads += 1
                         loaded_q_key = q_key
-                    kv_row = kv_start + first_col
-                    for _ in range(num_kv_tiles - half_tail):
+                    num_steps = num_kv_tiles - half_tail  # key tiles loaded whole
+                    for n in range(num_steps):
+                        kv_row = kv_start + _key_tile_col(n, first_col, selected, BLOCK_N,
+                                                          BLOCK_SPARSE)
                         _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties,
                                          v_fulls, v_empties, kv_count, kv_row, head, gqa_group,
                                          HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
-                        kv_row += BLOCK_N
                         kv_count += 1
                     if half_tail:
+                        kv_row = kv_start + first_col + num_steps * BLOCK_N
                         _produce_kv_tile(desc_k_tail, desc_v_tail, k_tiles, v_tiles, k_fulls,
                                          k_empties, v_fulls, v_empties, kv_count, kv_row, head,
                                          gqa_group, HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE,
@@ -336,11 +370,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
             loop_start, loop_end, loop_step = _tile_loop(num_tiles, first_tile, tile_stride, ENTRY_MAJOR)
             for step in range(loop_start, loop_end, loop_step):
                 tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
-                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len,
-                 first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
-                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, num_q_heads,
+                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
+                 selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
+                     tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
+                     kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
-                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL)
+                     CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
+                     SEL_WIDTH)
                 first_row = row_lo + cid * ROW_STEP
                 rows = first_row + tl.arange(0, ROWS)
                 my_head = head + cid * HEAD_STEP
@@ -369,7 +405,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                     pingpong_exit(cid)
                     qk = tlx.async_dot_wait(0, qk)
                     tlx.barrier_arrive(k_empties[k_buf], 1)
-                    cols = first_col + tl.arange(0, BLOCK_N)
+                    cols = _key_tile_col(0, first_col, selected, BLOCK_N,
+                                         BLOCK_SPARSE) + tl.arange(0, BLOCK_N)
                     qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL,
                                                HAS_WINDOW), qk, float("-inf"))
                     p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i, qk_scale_log2, True)
@@ -377,22 +414,28 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
 
                     # Leading edge (window start), mask-free bulk, trailing edge (diagonal/end).
                     for n in range(1, bulk_lo):
+                        col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
+                                             BLOCK_SPARSE)
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
+                            acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
                             BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
                     for n in range(bulk_lo, bulk_hi):
+                        col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
+                                             BLOCK_SPARSE)
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
+                            acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
                             BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
                     num_steps = num_kv_tiles - half_tail  # key tiles taken whole
                     for n in range(bulk_hi, num_steps):
+                        col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
+                                             BLOCK_SPARSE)
                         p, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, first_col + n * BLOCK_N, rows, q_len,
+                            acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
                             BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
 
@@ -422,7 +465,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
 
 _SIGNATURE_AFTER_OUT = dict(
     lse_ptr="*fp32", q_offsets_ptr="*i32", kv_offsets_ptr="*i32",
-    tile_entries_ptr="*i32", num_entries_ptr="*i32", stride_out_row="i32", stride_lse_head="i32",
+    tile_entries_ptr="*i32", num_entries_ptr="*i32", sel_q_blocks="i32", stride_out_row="i32",
+    stride_lse_head="i32",
     num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32",
     gqa_group="i32", qk_scale_log2="fp32")
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -445,35 +489,54 @@ def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
 
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                   window: int | None = None, broadcast_q: bool = False,
-                  heads_per_tile: int = 1, entry_major: bool = False, half_tail: bool = False) -> dict:
-    """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem)."""
+                  heads_per_tile: int = 1, entry_major: bool = False, half_tail: bool = False,
+                  selection_width: int = 0) -> dict:
+    """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
+
+    `selection_width` > 0 compiles the block-sparse fork: the padded width of the canonical block
+    selection (`jfa.sparse`), a power of two.
+    """
     if head_dim not in specs.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {specs.SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if dtype not in _TRITON_DTYPE_NAMES:
         raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
     if heads_per_tile not in (1, 2):
         raise ValueError(f"heads_per_tile must be 1 or 2, got {heads_per_tile}")
+    if selection_width:
+        if selection_width & (selection_width - 1):
+            raise ValueError(f"selection_width must be a power of two, got {selection_width}")
+        # One selection per query head and per 128-row query block: both consumers of a tile walk
+        # the same list, so a tile is one head's query block; no window (its bulk is not a prefix).
+        if heads_per_tile != 1 or window is not None or broadcast_q or half_tail:
+            raise ValueError("the block-sparse forward takes one head per tile and no window, "
+                             "broadcast-Q or half last tiles")
     return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
                 ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
+                BLOCK_SPARSE=selection_width > 0, SEL_WIDTH=max(selection_width, 1),
                 **TUNING[(head_dim, heads_per_tile)])
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1,
-                 entry_major: bool = False, half_tail: bool = False):
+                 entry_major: bool = False, half_tail: bool = False, selection_width: int = 0):
     """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                                heads_per_tile=heads_per_tile, entry_major=entry_major,
-                               half_tail=half_tail)
+                               half_tail=half_tail, selection_width=selection_width)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
     tail_box = f"tensordesc<{name}[{constexprs['BLOCK_N'] // 2}, {head_dim}]>"
     signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>",
                      desc_k=kv_box, desc_v=kv_box, desc_k_tail=tail_box, desc_v_tail=tail_box,
                      out_ptr=f"*{name}", **_SIGNATURE_AFTER_OUT)
+    if selection_width:
+        signature.update(kv_blocks_ptr="*i32", kv_block_counts_ptr="*i32")
+    else:  # launched with None there: compile-time constants
+        signature.update(kv_blocks_ptr="constexpr", kv_block_counts_ptr="constexpr")
+        constexprs = constexprs | dict(kv_blocks_ptr=None, kv_block_counts_ptr=None)
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
                       num_warps=PRODUCER_WARPS, name="jagged_fwd",
@@ -499,14 +562,16 @@ def _rows_descriptor(t: torch.Tensor, box_rows: int) -> TensorDescriptor:
 
 
 def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
-                         causal, window, broadcast_q, *, out=None, lse=None, schedule=None):
+                         causal, window, broadcast_q, *, out=None, lse=None, schedule=None,
+                         selection=None):
     """Run the forward kernel; returns (out `[Tq_out, Hq, D]` in q's dtype, lse fp32 `[Hq, Tq_out]`).
 
     Inputs are already validated (`jfa.jagged.validate_jagged_attention`). `out` and `lse` may be
     given (contiguous rows; lse's head stride is free) so tests can poison them and check that only
     valid rows are written. `schedule` (a `jfa.schedule.TileSchedule`) skips building the tile list.
     `max_seq_len_kv` only bounds the work values the tile list sorts by; the kernel reads every KV
-    range from the offsets.
+    range from the offsets. `selection` (a `jfa.sparse.BlockSelection`, validated) runs the
+    block-sparse fork: each 128-row query block visits only its selected key blocks.
     """
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
@@ -530,10 +595,11 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         lse.fill_(float("-inf"))
         return out, lse
 
-    pairing = heads_per_tile(max_seq_len_q, q_heads)
+    pairing = 1 if selection is not None else heads_per_tile(max_seq_len_q, q_heads)
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window,
                            broadcast_q=broadcast_q, heads_per_tile=pairing,
-                           half_tail=max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN)
+                           half_tail=selection is None and max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN,
+                           selection_width=0 if selection is None else selection.width)
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
                                        block_m=tile_rows(pairing), block_n=config["BLOCK_N"],
@@ -547,6 +613,9 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         _rows_descriptor(k, config["BLOCK_N"]), _rows_descriptor(v, config["BLOCK_N"]),
         _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(v, config["BLOCK_N"] // 2),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
+        None if selection is None else selection.blocks,
+        None if selection is None else selection.counts,
+        0 if selection is None else selection.q_blocks,
         out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,
         0 if window is None else window, q_heads // kv_heads, sm_scale * LOG2E.value,
         num_warps=PRODUCER_WARPS, num_stages=1, **config)

@@ -1,0 +1,190 @@
+"""Block-sparse jagged attention: each 128-row query block attends only to the key blocks it selects.
+
+The selection is the reference's (`reference.block_sparse_attention_ref`): `kv_block_idx` int
+`[B, Hq, n_q_blocks, max_sel]`; entry `[b, h, i, :]` lists the sequence-local key blocks (block j =
+keys `j*block_n .. (j+1)*block_n - 1`) that query block i of sequence b and head h sees, padded with
+-1. Picks past a sequence's keys are ignored and a repeated pick counts once. `causal` masks further
+inside the selection.
+
+On a Hopper GPU the forward runs the block-sparse fork of the jagged forward kernel
+(`jfa.kernels.jagged_fwd`, `BLOCK_SPARSE`): the same warp roles, ring and softmax; only the key
+loop's iteration changes (`_key_tile_col`), visiting the n-th selected block instead of the n-th
+consecutive one. The kernel wants each list sorted, distinct and in range, so `canonical_selection`
+makes it so on the selection's device: two sorts and a comparison, no host sync.
+
+The backward has no TLX kernel yet: it runs the PyTorch reference (autograd through
+`block_sparse_attention_ref` in float32) and says so once with a `ReferenceFallbackWarning`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from jfa import jagged, reference, specs
+from jfa.ops import _load_kernel_module, _warn_once, _why_not_kernel
+
+__all__ = ["block_sparse_attention", "block_sparse_attention_fwd", "validate_block_sparse_attention",
+           "canonical_selection", "BlockSelection"]
+
+SELECTION_DTYPES = (torch.int32, torch.int64)
+_NOT_PICKED = torch.iinfo(torch.int32).max  # sorts after every real block number
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """A selection as the kernel reads it: per (sequence, head, query block) row, the distinct
+    selected key blocks in ascending order, then zeros; `counts` says how many are real."""
+    blocks: Tensor  # int32 [B, Hq, q_blocks, width], width a power of two
+    counts: Tensor  # int32 [B, Hq, q_blocks]
+
+    @property
+    def width(self) -> int:
+        return self.blocks.shape[-1]
+
+    @property
+    def q_blocks(self) -> int:
+        return self.blocks.shape[2]
+
+
+def canonical_selection(kv_block_idx: Tensor, kv_offsets: Tensor, block_n: int) -> BlockSelection:
+    """Sort each row of `kv_block_idx`, drop -1 padding, picks past the sequence and repeats.
+
+    Runs on kv_block_idx's device without reading values back (kv_offsets may be on the CPU).
+    """
+    idx = kv_block_idx.to(torch.int64)
+    lengths = (kv_offsets[1:] - kv_offsets[:-1]).to(device=idx.device, dtype=torch.int64)
+    key_blocks = (lengths + block_n - 1) // block_n
+    in_range = (idx >= 0) & (idx < key_blocks[:, None, None, None])
+    picked, _ = torch.where(in_range, idx, _NOT_PICKED).sort(dim=-1)
+    repeat = torch.zeros_like(in_range)
+    repeat[..., 1:] = picked[..., 1:] == picked[..., :-1]
+    picked, _ = torch.where(repeat, _NOT_PICKED, picked).sort(dim=-1)
+    real = picked != _NOT_PICKED
+    width = 1 << max(idx.shape[-1] - 1, 0).bit_length()
+    blocks = torch.zeros(*idx.shape[:-1], width, dtype=torch.int32, device=idx.device)
+    blocks[..., :idx.shape[-1]] = torch.where(real, picked, 0)
+    return BlockSelection(blocks, real.sum(dim=-1, dtype=torch.int32))
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+def _check_block(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name}: must be > 0, got {value}")
+    return value
+
+
+def _check_selection(kv_block_idx, problem: jagged.JaggedProblem, q: Tensor, block_m: int) -> None:
+    if not isinstance(kv_block_idx, torch.Tensor):
+        raise TypeError(f"kv_block_idx: expected an integer torch.Tensor, got {type(kv_block_idx).__name__}")
+    if kv_block_idx.dtype not in SELECTION_DTYPES:
+        raise TypeError(f"kv_block_idx: dtype {kv_block_idx.dtype} is not an index type; use .to(torch.int32)")
+    if kv_block_idx.device != q.device and kv_block_idx.device.type != "cpu":
+        raise ValueError(f"kv_block_idx: is on {kv_block_idx.device} but q is on {q.device}; move it there")
+    q_blocks = math.ceil(problem.max_seq_len_q / block_m)
+    expected = (problem.batch, problem.heads_q)
+    if kv_block_idx.ndim != 4 or tuple(kv_block_idx.shape[:2]) != expected or kv_block_idx.shape[2] < q_blocks:
+        raise ValueError(f"kv_block_idx: expected shape [B={expected[0]}, Hq={expected[1]}, n_q_blocks>={q_blocks}, "
+                         f"max_sel], got {tuple(kv_block_idx.shape)}; pad unused picks with -1")
+
+
+def validate_block_sparse_attention(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,
+                                    max_seq_len_q=None, max_seq_len_kv=None, *, sm_scale=None,
+                                    causal=False) -> jagged.JaggedProblem:
+    """Check a `block_sparse_attention` call (raises naming the argument); reads the offsets once."""
+    problem = jagged.validate_jagged_attention(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
+                                               sm_scale=sm_scale, causal=causal)
+    _check_block("block_m", block_m)
+    _check_block("block_n", block_n)
+    _check_selection(kv_block_idx, problem, q, block_m)
+    return problem
+
+
+# ---- the custom op --------------------------------------------------------------------------------
+
+def _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal):
+    out, lse = reference.block_sparse_attention_ref(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,
+                                                    sm_scale=sm_scale, causal=causal)
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+@torch.library.custom_op("jfa::block_sparse_attention_fwd", mutates_args=())
+def block_sparse_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
+                               kv_block_idx: Tensor, block_m: int, block_n: int, max_seq_len_q: int,
+                               max_seq_len_kv: int, sm_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Block-sparse forward -> (out [Tq, Hq, D] in q's dtype, lse float32 [Hq, Tq]); inputs validated.
+    This default implementation is the reference."""
+    _warn_once(f"block-sparse: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
+    return _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
+
+
+@block_sparse_attention_fwd.register_kernel("cuda")
+def _block_sparse_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, max_seq_len_q,
+                                     max_seq_len_kv, sm_scale, causal):
+    why = _why_not_kernel("jagged_fwd", q, k, v)
+    if why is None and (block_m, block_n) != (specs.BLOCK_SPARSE_BLOCK,) * 2:
+        why = (f"block-sparse blocks of {block_m}x{block_n}: the kernel's query and key tiles are "
+               f"{specs.BLOCK_SPARSE_BLOCK}x{specs.BLOCK_SPARSE_BLOCK}")
+    if why is not None:
+        _warn_once(f"block-sparse: {why}")
+        return _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
+    module, _ = _load_kernel_module("jagged_fwd")
+    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
+                             for o in (q_offsets, kv_offsets))
+    selection = canonical_selection(kv_block_idx.to(q.device, non_blocking=True), kv_offsets, block_n)
+    return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
+                                       causal, None, False, selection=selection)
+
+
+@block_sparse_attention_fwd.register_fake
+def _block_sparse_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,
+                                     max_seq_len_q, max_seq_len_kv, sm_scale, causal):
+    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, kv_offsets, kv_block_idx, *params = inputs
+    ctx.save_for_backward(q, k, v, q_offsets, kv_offsets, kv_block_idx)
+    ctx.params = params  # block_m, block_n, max_seq_len_q, max_seq_len_kv, sm_scale, causal
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, q_offsets, kv_offsets, kv_block_idx = ctx.saved_tensors
+    block_m, block_n, _, _, sm_scale, causal = ctx.params
+    _warn_once("block-sparse backward: there is no TLX kernel for it yet")
+    with torch.enable_grad():
+        inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        out, _ = reference.block_sparse_attention_ref(*inputs, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,
+                                                      sm_scale=sm_scale, causal=causal)
+        grads = torch.autograd.grad(out, inputs, grad_out.float())
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v))) + (None,) * (3 + len(ctx.params))
+
+
+torch.library.register_autograd("jfa::block_sparse_attention_fwd", _backward, setup_context=_setup_context)
+
+
+# ---- public entry point ---------------------------------------------------------------------------
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
+                           kv_block_idx: Tensor, block_m: int = specs.BLOCK_SPARSE_BLOCK,
+                           block_n: int = specs.BLOCK_SPARSE_BLOCK, *, max_seq_len_q: int | None = None,
+                           max_seq_len_kv: int | None = None, sm_scale: float | None = None,
+                           causal: bool = False, return_lse: bool = False):
+    """Jagged attention in which query block i of sequence b, head h sees only the key blocks
+    `kv_block_idx[b, h, i]` lists (module docstring). q [Tq, Hq, D], k/v [Tk, Hkv, D] (GQA allowed),
+    offsets int [B+1]. Returns out [Tq, Hq, D] (and lse float32 [Hq, Tq] when `return_lse`); rows
+    that select nothing get 0 and LSE -inf. Differentiable in q, k, v (backward: the reference).
+    The TLX kernel runs for 128x128 blocks on a Hopper GPU; anything else runs the reference and says so.
+    Validation reads the offsets (a sync when they live on the GPU).
+    """
+    problem = validate_block_sparse_attention(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,
+                                              max_seq_len_q, max_seq_len_kv, sm_scale=sm_scale, causal=causal)
+    out, lse = block_sparse_attention_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,
+                                          problem.max_seq_len_q, problem.max_seq_len_kv, problem.sm_scale, causal)
+    return (out, lse) if return_lse else out
