@@ -30,8 +30,6 @@ VARLEN_KINDS = ("jagged", "pma", "dense", "block")
 EXPANDED_Q_NOTE = "Q expanded B times outside the timed region (peer has no broadcast-Q); dQ is not summed"
 BLOCKS_AS_SEQUENCES_NOTE = "each 64-token block passed as its own sequence"
 FP8_NO_BACKWARD = "unavailable: the FP8 kernels are forward-only"
-SPARSE_REFERENCE_BACKWARD = ("unavailable: jfa.block_sparse_attention's backward is the PyTorch reference "
-                             "(no TLX kernel yet), not timed")
 
 
 class ProviderUnavailable(RuntimeError):
@@ -154,7 +152,7 @@ def build_jfa(problem: Problem) -> ProviderRun:
         checked = sparse.validate_block_sparse_attention(*args, problem.max_q, problem.max_kv)
         op_args = args + (checked.max_seq_len_q, checked.max_seq_len_kv, checked.sm_scale, False)
         return ProviderRun(lambda: sparse.block_sparse_attention_fwd(*op_args)[0], _identity, [q, k, v],
-                           no_backward=SPARSE_REFERENCE_BACKWARD, notes=[SPARSE_VALIDATED_NOTE])
+                           notes=[SPARSE_VALIDATED_NOTE])
     if problem.kind == "fp8":
         if not hasattr(jfa, "jagged_attention_fp8"):
             raise ProviderUnavailable("jfa.jagged_attention_fp8 is not defined yet")

@@ -20,6 +20,7 @@ __all__ = [
     "jagged_attention_bwd_ref",
     "block_attention_ref",
     "block_sparse_attention_ref",
+    "block_sparse_attention_bwd_ref",
     "rotary_ref",
     "rotary_conj_ref",
     "make_sinu_pos",
@@ -156,23 +157,33 @@ def jagged_attention_bwd_ref(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         if lq == 0 or kv_rows.stop == kv_rows.start:
             continue  # no scores, so no gradient flows
         q_seq, k_seq, v_seq = (t[rows].transpose(0, 1) for t, rows in ((q, q_rows), (k_all, kv_rows), (v_all, kv_rows)))
-        do_seq = grad_out[out_rows].transpose(0, 1)
         lk = k_seq.shape[1]
         visible = visible_mask(lq, lk, causal, window, q.device) if (causal or window is not None) else None
-        out_seq, lse = _masked_attention(q_seq, k_seq, v_seq, visible, scale)
-        scores = torch.matmul(q_seq, k_seq.transpose(-1, -2)) * scale
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-        delta = (out_seq * do_seq).sum(-1, keepdim=True)
-        dscores = probs * (torch.matmul(do_seq, v_seq.transpose(-1, -2)) - delta)
-        dq[q_rows] += (scale * torch.matmul(dscores, k_seq)).transpose(0, 1)
-        dk_all[kv_rows] = (scale * torch.matmul(dscores.transpose(-1, -2), q_seq)).transpose(0, 1)
-        dv_all[kv_rows] = torch.matmul(probs.transpose(-1, -2), do_seq).transpose(0, 1)
-    group = heads // kv_heads
-    dk = dk_all.unflatten(1, (kv_heads, group)).sum(2)
-    dv = dv_all.unflatten(1, (kv_heads, group)).sum(2)
-    return dq, dk, dv
+        dq_seq, dk_seq, dv_seq = _masked_attention_bwd(grad_out[out_rows].transpose(0, 1), q_seq, k_seq, v_seq,
+                                                       visible, scale)
+        dq[q_rows] += dq_seq.transpose(0, 1)
+        dk_all[kv_rows], dv_all[kv_rows] = dk_seq.transpose(0, 1), dv_seq.transpose(0, 1)
+    return dq, _sum_kv_head_groups(dk_all, kv_heads), _sum_kv_head_groups(dv_all, kv_heads)
+
+
+def _masked_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          visible: torch.Tensor | None, sm_scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `_masked_attention` for one sequence ([H, rows, D] each), written out."""
+    out, lse = _masked_attention(q, k, v, visible, sm_scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    delta = (out * do).sum(-1, keepdim=True)
+    dscores = probs * (torch.matmul(do, v.transpose(-1, -2)) - delta)
+    return (sm_scale * torch.matmul(dscores, k), sm_scale * torch.matmul(dscores.transpose(-1, -2), q),
+            torch.matmul(probs.transpose(-1, -2), do))
+
+
+def _sum_kv_head_groups(grad_all: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """GQA: a KV head's gradient is the sum over the query heads that read it."""
+    return grad_all.unflatten(1, (kv_heads, grad_all.shape[1] // kv_heads)).sum(2)
 
 
 def _block_layout(offsets: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -216,6 +227,21 @@ def block_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
     return out_blocks.permute(0, 2, 1, 3)[block_of_row, pos_in_block]
 
 
+def _selected_keys(chosen: torch.Tensor, lq: int, lk: int, block_m: int, block_n: int, causal: bool) -> torch.Tensor:
+    """[H, lq, lk] visibility of one sequence from its selection rows `chosen` [H, n_q_blocks, max_sel]."""
+    n_q_blocks, n_kv_blocks = -(-lq // block_m), -(-lk // block_n)
+    chosen = chosen[:, :n_q_blocks]
+    in_range = (chosen >= 0) & (chosen < n_kv_blocks)
+    block_mask = torch.zeros(chosen.shape[0], n_q_blocks, n_kv_blocks + 1, dtype=torch.bool, device=chosen.device)
+    # Out-of-range picks land in a spare last column that is dropped below.
+    block_mask.scatter_(2, torch.where(in_range, chosen, n_kv_blocks), True)
+    visible = block_mask[:, :, :n_kv_blocks].repeat_interleave(block_m, 1).repeat_interleave(block_n, 2)
+    visible = visible[:, :lq, :lk]
+    if causal:
+        visible = visible & visible_mask(lq, lk, True, None, chosen.device)
+    return visible
+
+
 def block_sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                                kv_offsets: torch.Tensor, kv_block_idx: torch.Tensor, block_m: int, block_n: int,
                                *, sm_scale: float | None = None, causal: bool = False
@@ -241,16 +267,7 @@ def block_sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         lq, lk = q_bounds[b + 1] - q_bounds[b], kv_bounds[b + 1] - kv_bounds[b]
         if lq == 0:
             continue
-        n_q_blocks, n_kv_blocks = -(-lq // block_m), -(-lk // block_n)
-        chosen = selection[b, :, :n_q_blocks]  # [H, n_q_blocks, max_sel]
-        in_range = (chosen >= 0) & (chosen < n_kv_blocks)
-        block_mask = torch.zeros(heads, n_q_blocks, n_kv_blocks + 1, dtype=torch.bool, device=q.device)
-        # Out-of-range picks land in a spare last column that is dropped below.
-        block_mask.scatter_(2, torch.where(in_range, chosen, n_kv_blocks), True)
-        visible = block_mask[:, :, :n_kv_blocks].repeat_interleave(block_m, 1).repeat_interleave(block_n, 2)
-        visible = visible[:, :lq, :lk]
-        if causal:
-            visible = visible & visible_mask(lq, lk, True, None, q.device)
+        visible = _selected_keys(selection[b], lq, lk, block_m, block_n, causal)
         q_seq = q[q_bounds[b]:q_bounds[b + 1]].transpose(0, 1)
         kv_rows = slice(kv_bounds[b], kv_bounds[b + 1])
         out_seq, lse_seq = _masked_attention(q_seq, k[kv_rows].transpose(0, 1), v[kv_rows].transpose(0, 1),
@@ -260,6 +277,32 @@ def block_sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if not out_pieces:
         return q.new_zeros(0, heads, head_dim), q.new_zeros(heads, 0)
     return torch.cat(out_pieces, dim=0), torch.cat(lse_pieces, dim=1)
+
+
+def block_sparse_attention_bwd_ref(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   q_offsets: torch.Tensor, kv_offsets: torch.Tensor, kv_block_idx: torch.Tensor,
+                                   block_m: int, block_n: int, *, sm_scale: float | None = None, causal: bool = False
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of `block_sparse_attention_ref`, written out (as `jagged_attention_bwd_ref`):
+    (dq, dk, dv) in float32 (float64 if given); usable where autograd records nothing."""
+    dtype = _compute_dtype(q, k, v)
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    q, grad_out = q.to(dtype), grad_out.to(dtype)
+    k_all, v_all = _expand_kv_heads(k.to(dtype), heads), _expand_kv_heads(v.to(dtype), heads)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    q_bounds, kv_bounds = _host_list(q_offsets), _host_list(kv_offsets)
+    selection = kv_block_idx.to(device=q.device, dtype=torch.int64)
+    dq, dk_all, dv_all = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
+    for b in range(len(q_bounds) - 1):
+        q_rows, kv_rows = slice(q_bounds[b], q_bounds[b + 1]), slice(kv_bounds[b], kv_bounds[b + 1])
+        lq, lk = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
+        if lq == 0 or lk == 0:
+            continue
+        visible = _selected_keys(selection[b], lq, lk, block_m, block_n, causal)
+        grads = _masked_attention_bwd(grad_out[q_rows].transpose(0, 1), q[q_rows].transpose(0, 1),
+                                      k_all[kv_rows].transpose(0, 1), v_all[kv_rows].transpose(0, 1), visible, scale)
+        dq[q_rows], dk_all[kv_rows], dv_all[kv_rows] = (g.transpose(0, 1) for g in grads)
+    return dq, _sum_kv_head_groups(dk_all, kv_heads), _sum_kv_head_groups(dv_all, kv_heads)
 
 
 def _sin_cos(sinu_pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,10 @@ loop's iteration changes (`_key_tile_col`), visiting the n-th selected block ins
 consecutive one. The kernel wants each list sorted, distinct and in range, so `canonical_selection`
 makes it so on the selection's device: two sorts and a comparison, no host sync.
 
-The backward has no TLX kernel yet: it runs the PyTorch reference (autograd through
-`block_sparse_attention_ref` in float32) and says so once with a `ReferenceFallbackWarning`.
+The backward forks the jagged backward the same way (`jfa.kernels.jagged_bwd`, `BLOCK_SPARSE`): its
+key-stationary dK/dV kernel streams, past each key block, only the query blocks that selected it
+(`transposed_selection`), and its dQ kernel walks each query block's selected key blocks. Where the
+kernels cannot run, the PyTorch reference does (and says so once with a `ReferenceFallbackWarning`).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from torch import Tensor
 from jfa import jagged, reference, specs
 from jfa.ops import _load_kernel_module, _warn_once, _why_not_kernel
 
-__all__ = ["block_sparse_attention", "block_sparse_attention_fwd", "validate_block_sparse_attention",
-           "canonical_selection", "BlockSelection"]
+__all__ = ["block_sparse_attention", "block_sparse_attention_fwd", "block_sparse_attention_bwd",
+           "validate_block_sparse_attention",
+           "canonical_selection", "transposed_selection", "BlockSelection"]
 
 SELECTION_DTYPES = (torch.int32, torch.int64)
 _NOT_PICKED = torch.iinfo(torch.int32).max  # sorts after every real block number
@@ -35,18 +38,24 @@ _NOT_PICKED = torch.iinfo(torch.int32).max  # sorts after every real block numbe
 
 @dataclass(frozen=True)
 class BlockSelection:
-    """A selection as the kernel reads it: per (sequence, head, query block) row, the distinct
-    selected key blocks in ascending order, then zeros; `counts` says how many are real."""
-    blocks: Tensor  # int32 [B, Hq, q_blocks, width], width a power of two
-    counts: Tensor  # int32 [B, Hq, q_blocks]
+    """A selection as the kernels read it: per (sequence, head, row block) a list of distinct blocks
+    in ascending order, then zeros; `counts` says how many are real. The forward's rows are query
+    blocks listing key blocks; its transpose (`transposed_selection`) lists, per key block, the
+    query blocks that selected it."""
+    blocks: Tensor  # int32 [B, Hq, row_blocks, width], width a power of two
+    counts: Tensor  # int32 [B, Hq, row_blocks]
 
     @property
     def width(self) -> int:
         return self.blocks.shape[-1]
 
     @property
-    def q_blocks(self) -> int:
+    def row_blocks(self) -> int:
         return self.blocks.shape[2]
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def canonical_selection(kv_block_idx: Tensor, kv_offsets: Tensor, block_n: int) -> BlockSelection:
@@ -63,10 +72,27 @@ def canonical_selection(kv_block_idx: Tensor, kv_offsets: Tensor, block_n: int) 
     repeat[..., 1:] = picked[..., 1:] == picked[..., :-1]
     picked, _ = torch.where(repeat, _NOT_PICKED, picked).sort(dim=-1)
     real = picked != _NOT_PICKED
-    width = 1 << max(idx.shape[-1] - 1, 0).bit_length()
-    blocks = torch.zeros(*idx.shape[:-1], width, dtype=torch.int32, device=idx.device)
+    blocks = torch.zeros(*idx.shape[:-1], _power_of_two_at_least(idx.shape[-1]), dtype=torch.int32,
+                         device=idx.device)
     blocks[..., :idx.shape[-1]] = torch.where(real, picked, 0)
     return BlockSelection(blocks, real.sum(dim=-1, dtype=torch.int32))
+
+
+def transposed_selection(selection: BlockSelection, key_blocks: int) -> BlockSelection:
+    """Per (sequence, head, key block < key_blocks): the query blocks that selected it, ascending,
+    for the backward's key-stationary kernel. On the selection's device, no host sync."""
+    batch, heads, q_blocks, width = selection.blocks.shape
+    device = selection.blocks.device
+    picked = torch.arange(width, device=device) < selection.counts[..., None]
+    chosen = torch.zeros(batch, heads, q_blocks, key_blocks + 1, dtype=torch.bool, device=device)
+    # Padding entries land in a spare last column, dropped below.
+    chosen.scatter_(3, torch.where(picked, selection.blocks.long(), key_blocks), True)
+    by_key = chosen[..., :key_blocks].transpose(2, 3)  # [B, Hq, key_blocks, q_blocks]
+    order = torch.where(by_key, torch.arange(q_blocks, device=device), q_blocks).sort(dim=-1).values
+    blocks = torch.zeros(batch, heads, key_blocks, _power_of_two_at_least(q_blocks), dtype=torch.int32,
+                         device=device)
+    blocks[..., :q_blocks] = torch.where(order < q_blocks, order, 0)
+    return BlockSelection(blocks, by_key.sum(dim=-1, dtype=torch.int32))
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -126,10 +152,7 @@ def block_sparse_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tenso
 @block_sparse_attention_fwd.register_kernel("cuda")
 def _block_sparse_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, max_seq_len_q,
                                      max_seq_len_kv, sm_scale, causal):
-    why = _why_not_kernel("jagged_fwd", q, k, v)
-    if why is None and (block_m, block_n) != (specs.BLOCK_SPARSE_BLOCK,) * 2:
-        why = (f"block-sparse blocks of {block_m}x{block_n}: the kernel's query and key tiles are "
-               f"{specs.BLOCK_SPARSE_BLOCK}x{specs.BLOCK_SPARSE_BLOCK}")
+    why = _why_not_sparse_kernel("jagged_fwd", block_m, block_n, q, k, v)
     if why is not None:
         _warn_once(f"block-sparse: {why}")
         return _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
@@ -147,23 +170,66 @@ def _block_sparse_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, kv_block_id
     return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
+def _why_not_sparse_kernel(module_name: str, block_m: int, block_n: int, *tensors: Tensor) -> str | None:
+    why = _why_not_kernel(module_name, *tensors)
+    if why is None and (block_m, block_n) != (specs.BLOCK_SPARSE_BLOCK,) * 2:
+        why = (f"block-sparse blocks of {block_m}x{block_n}: the kernels' query and key tiles are "
+               f"{specs.BLOCK_SPARSE_BLOCK}x{specs.BLOCK_SPARSE_BLOCK}")
+    return why
+
+
+def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal):
+    grads = reference.block_sparse_attention_bwd_ref(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m,
+                                                     block_n, sm_scale=sm_scale, causal=causal)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+@torch.library.custom_op("jfa::block_sparse_attention_bwd", mutates_args=())
+def block_sparse_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                               q_offsets: Tensor, kv_offsets: Tensor, kv_block_idx: Tensor, block_m: int,
+                               block_n: int, max_seq_len_q: int, max_seq_len_kv: int, sm_scale: float,
+                               causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Block-sparse backward -> (dq, dk, dv) in the dtypes of q, k, v. This default implementation is
+    the reference (`reference.block_sparse_attention_bwd_ref`)."""
+    _warn_once(f"block-sparse backward: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
+    return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
+
+
+@block_sparse_attention_bwd.register_kernel("cuda")
+def _block_sparse_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_block_idx, block_m,
+                                     block_n, max_seq_len_q, max_seq_len_kv, sm_scale, causal):
+    why = _why_not_sparse_kernel("jagged_bwd", block_m, block_n, q, k, v, grad_out)
+    if why is not None:
+        _warn_once(f"block-sparse backward: {why}")
+        return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale,
+                              causal)
+    module, _ = _load_kernel_module("jagged_bwd")
+    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
+                             for o in (q_offsets, kv_offsets))
+    selection = canonical_selection(kv_block_idx.to(q.device, non_blocking=True), kv_offsets, block_n)
+    return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q,
+                                       max_seq_len_kv, sm_scale, causal, None, False, selection=selection)
+
+
+@block_sparse_attention_bwd.register_fake
+def _block_sparse_attention_bwd_fake(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_block_idx, block_m,
+                                     block_n, max_seq_len_q, max_seq_len_kv, sm_scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, q_offsets, kv_offsets, kv_block_idx, *params = inputs
-    ctx.save_for_backward(q, k, v, q_offsets, kv_offsets, kv_block_idx)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, kv_block_idx)
     ctx.params = params  # block_m, block_n, max_seq_len_q, max_seq_len_kv, sm_scale, causal
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, q_offsets, kv_offsets, kv_block_idx = ctx.saved_tensors
-    block_m, block_n, _, _, sm_scale, causal = ctx.params
-    _warn_once("block-sparse backward: there is no TLX kernel for it yet")
-    with torch.enable_grad():
-        inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        out, _ = reference.block_sparse_attention_ref(*inputs, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,
-                                                      sm_scale=sm_scale, causal=causal)
-        grads = torch.autograd.grad(out, inputs, grad_out.float())
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v))) + (None,) * (3 + len(ctx.params))
+    q, k, v, out, lse, q_offsets, kv_offsets, kv_block_idx = ctx.saved_tensors
+    grads = block_sparse_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, q_offsets, kv_offsets, kv_block_idx,
+                                       *ctx.params)
+    return tuple(grads) + (None,) * (3 + len(ctx.params))
 
 
 torch.library.register_autograd("jfa::block_sparse_attention_fwd", _backward, setup_context=_setup_context)
@@ -179,8 +245,8 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k
     """Jagged attention in which query block i of sequence b, head h sees only the key blocks
     `kv_block_idx[b, h, i]` lists (module docstring). q [Tq, Hq, D], k/v [Tk, Hkv, D] (GQA allowed),
     offsets int [B+1]. Returns out [Tq, Hq, D] (and lse float32 [Hq, Tq] when `return_lse`); rows
-    that select nothing get 0 and LSE -inf. Differentiable in q, k, v (backward: the reference).
-    The TLX kernel runs for 128x128 blocks on a Hopper GPU; anything else runs the reference and says so.
+    that select nothing get 0 and LSE -inf. Differentiable in q, k, v. The TLX kernels run for
+    128x128 blocks on a Hopper GPU; anything else runs the reference and says so.
     Validation reads the offsets (a sync when they live on the GPU).
     """
     problem = validate_block_sparse_attention(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n,

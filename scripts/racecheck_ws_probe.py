@@ -16,7 +16,25 @@ exactly the scaffolding's dispatch-byte store and load. So the scaffolding's byt
 racecheck flags, but the scaffolding alone does not make it flag them; what else is needed (the
 wgmma pipelines of t04 and jfa are the obvious difference) is not known.
 
-    compute-sanitizer --tool racecheck python scripts/racecheck_ws_probe.py [with_registers|plain]
+Session 7 (results/racecheck-probes-20261129T1724Z.log) added the ring probes: a two-slot mbarrier
+ring between the default task and two consumer replicas, as in jfa's kernels, and found what
+racecheck does and does not model:
+
+- `ring_handshake` (full/empty barriers only, no shared data; also with 2000 programs): no hazards;
+- `ring_elected` (the producer stores a tile with `local_store`, the consumers `local_load` it;
+  `tlx.barrier_arrive` as TLX lowers it, a warpgroup `bar.sync` and then one elected thread's
+  mbarrier arrive): over a thousand hazards per store/load pair, with one consumer or two. Under the
+  PTX memory model that pattern is ordered (the `bar.sync` orders the group's accesses before the
+  elected thread's release-arrive), but racecheck does not follow the order through the `bar.sync`;
+- `ring_per_thread` (the same ring with TLX warp barriers, `tlx.alloc_warp_barrier`: every thread
+  arrives): no hazards. So racecheck does model mbarriers, per arriving thread.
+
+jfa's kernels move their data by TMA and wgmma, which racecheck does not see, so the elected
+arrives cost them nothing there; moving jfa's forward to per-thread arrives did not remove its
+dispatch-byte reports either (branch `fwd-thread-arrive`). Those reports need more than one KV tile
+per query block: a single-tile launch is clean, a three-tile one is not.
+
+    compute-sanitizer --tool racecheck python scripts/racecheck_ws_probe.py [PROBE ...]
 """
 import sys
 
@@ -64,15 +82,62 @@ def roles_with_task_barriers(out_ptr):
             tl.store(out_ptr + base + 1 + tlx.async_task_replica_id(), 2.0)
 
 
-PROBES = {"with_registers": roles_with_registers, "plain": roles_plain, "task_barriers": roles_with_task_barriers}
+RING_SLOTS = tl.constexpr(2)
+RING_STEPS = tl.constexpr(6)  # three passes over the ring: the producer waits on freed slots
+TILE = tl.constexpr(64)
+
+
+@triton.jit
+def ring(out_ptr, WITH_DATA: tl.constexpr, PER_THREAD: tl.constexpr):
+    """A two-slot ring from the default task to two consumer replicas. WITH_DATA: the producer stores
+    a tile into the slot and each consumer loads it (plain shared-memory accesses racecheck sees).
+    PER_THREAD: every thread arrives on the barriers (TLX warp barriers) instead of one elected thread
+    after a warpgroup bar.sync (`tlx.alloc_barriers` + `tlx.barrier_arrive`)."""
+    tiles = tlx.local_alloc((TILE, TILE), tl.float16, RING_SLOTS)
+    if PER_THREAD:
+        full = tlx.alloc_warp_barrier(RING_SLOTS, num_warps=4)
+        empty = tlx.alloc_warp_barrier(RING_SLOTS, num_warps=4, num_arrivals=WORKERS)
+    else:
+        full = tlx.alloc_barriers(num_barriers=RING_SLOTS, arrive_count=1)
+        empty = tlx.alloc_barriers(num_barriers=RING_SLOTS, arrive_count=WORKERS)
+    base = tl.program_id(0) * 3
+    with tlx.async_tasks():
+        with tlx.async_task("default"):
+            for i in range(RING_STEPS):
+                slot = i % RING_SLOTS
+                tlx.barrier_wait(empty[slot], ((i // RING_SLOTS) & 1) ^ 1)
+                if WITH_DATA:
+                    tlx.local_store(tiles[slot], tl.full((TILE, TILE), i, tl.float16))
+                    tlx.fence_async_shared()
+                tlx.barrier_arrive(full[slot])
+            tl.store(out_ptr + base, 1.0)
+        with tlx.async_task(num_warps=4, registers=WORKER_REGISTERS, replicate=WORKERS):
+            total = 0.0
+            for i in range(RING_STEPS):
+                slot = i % RING_SLOTS
+                tlx.barrier_wait(full[slot], (i // RING_SLOTS) & 1)
+                if WITH_DATA:
+                    total += tl.sum(tl.sum(tlx.local_load(tiles[slot]).to(tl.float32), 1), 0)
+                tlx.barrier_arrive(empty[slot])
+            expected = 0.0
+            if WITH_DATA:
+                expected = (TILE * TILE * (RING_STEPS - 1) * RING_STEPS // 2) * 1.0
+            tl.store(out_ptr + base + 1 + tlx.async_task_replica_id(), tl.where(total == expected, 2.0, -1.0))
+
+
+PROBES = {"with_registers": roles_with_registers, "plain": roles_plain, "task_barriers": roles_with_task_barriers,
+          "ring_handshake": (ring, dict(WITH_DATA=False, PER_THREAD=False)),
+          "ring_elected": (ring, dict(WITH_DATA=True, PER_THREAD=False)),
+          "ring_per_thread": (ring, dict(WITH_DATA=True, PER_THREAD=True))}
 
 
 def run(name: str, programs: int = 8) -> None:
     out = torch.full((programs * SLOTS_PER_PROGRAM,), float("nan"), device="cuda")  # poison
-    PROBES[name][(programs,)](out, num_warps=4)
+    kernel, constexprs = PROBES[name] if isinstance(PROBES[name], tuple) else (PROBES[name], {})
+    kernel[(programs,)](out, num_warps=4, **constexprs)
     torch.cuda.synchronize()
     expected = torch.tensor([1.0, 2.0, 2.0], device="cuda").repeat(programs)
-    assert torch.equal(out, expected), f"{name}: every task must write its slots, got {out.tolist()}"
+    assert torch.equal(out, expected), f"{name}: every task must write its slots (and the ring its data), got {out.tolist()}"
     print(f"probe {name}: ran, all {out.numel()} slots written")
 
 

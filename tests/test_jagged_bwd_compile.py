@@ -45,6 +45,10 @@ CONFIGS = [
 DQ_CASES = [(128, BF16, False, None, False, "long"), (128, BF16, False, None, False, "short"),
             (64, FP16, True, 32, False, "long"), (64, FP16, True, 32, False, "short"),
             (128, BF16, False, None, True, "long"), (128, BF16, True, 32, True, "short")]
+# The block-sparse forks (separate dQ, no window or broadcast-Q): (head_dim, dtype, causal, selection
+# width) for the dK/dV kernel, and the same plus the shape for the dQ kernel.
+SPARSE_CASES = [(128, BF16, False, 16), (64, FP16, True, 4)]
+SPARSE_DQ_CASES = [(128, BF16, True, 16, "long"), (64, FP16, False, 8, "short")]
 
 
 def _config_id(cfg):
@@ -63,7 +67,14 @@ def _compile_spec(spec) -> dict:
 
 def _compile(job) -> dict:
     kind, cfg = job
-    if kind == "tlx":
+    if kind == "tlx-sparse":
+        head_dim, dtype, causal, width = cfg
+        spec = jagged_bwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, selection_width=width)
+    elif kind == "dq-sparse":
+        head_dim, dtype, causal, width, shape = cfg
+        spec = jagged_bwd.dq_inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, config=shape,
+                                          selection_width=width)
+    elif kind == "tlx":
         head_dim, dtype, causal, window, broadcast_q, dq_mode = cfg
         spec = jagged_bwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                                        broadcast_q=broadcast_q, dq_mode=dq_mode)
@@ -77,7 +88,8 @@ def _compile(job) -> dict:
 @pytest.fixture(scope="session")
 def compiled():
     """All configurations compiled once per session, in parallel on every core."""
-    jobs = [("tlx", c) for c in CONFIGS] + [("dq", c) for c in DQ_CASES]
+    jobs = ([("tlx", c) for c in CONFIGS] + [("dq", c) for c in DQ_CASES] + [("tlx-sparse", c) for c in SPARSE_CASES]
+            + [("dq-sparse", c) for c in SPARSE_DQ_CASES])
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=context) as pool:
         return dict(zip(jobs, pool.map(_compile, jobs)))
@@ -113,7 +125,18 @@ def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
 def test_deterministic_dq_kernel_compiles_without_atomics(compiled, cfg):
     ptx = compiled[("dq", cfg)]["ptx"]
     assert _count(ptx, "wgmma.mma_async") > 0  # plain Triton tl.dot becomes wgmma on sm_90
-    assert not re.search(r"(?:atom|red)\.global", ptx)
+    assert not re.search(r"\b(?:atom|red)\.global", ptx)  # \b: not the "red.global" of cp.async.*.shared.global
+
+
+@pytest.mark.parametrize("job", [("tlx-sparse", c) for c in SPARSE_CASES] + [("dq-sparse", c) for c in SPARSE_DQ_CASES],
+                         ids=lambda job: f"{job[0]}-" + "-".join(str(x).split(".")[-1] for x in job[1]))
+def test_block_sparse_forks_compile(compiled, job):
+    ptx, shared = compiled[job]["ptx"], compiled[job]["shared"]
+    assert _count(ptx, "wgmma.mma_async") > 0
+    assert not re.search(r"\b(?:atom|red)\.global", ptx)  # dQ by the separate kernel: no float atomics
+    assert shared <= specs.SHARED_BYTES_PER_BLOCK["sm_90"]
+    if job[0] == "tlx-sparse":
+        assert _count(ptx, "setmaxnreg.dec") >= 1 and _count(ptx, "cp.async.bulk.tensor") > 0
 
 
 def test_ptx_instruction_counts_reported(compiled):
@@ -134,6 +157,8 @@ def test_bad_config_raises():
         jagged_bwd.kernel_config(128, BF16, dq_mode="fast")
     with pytest.raises(ValueError, match="deterministic"):
         jagged_bwd.resolve_dq_mode("atomic", deterministic=True)
+    with pytest.raises(ValueError, match="block-sparse"):
+        jagged_bwd.kernel_config(128, BF16, dq_mode="atomic", selection_width=8)
     assert jagged_bwd.resolve_dq_mode(None, deterministic=True) == "separate"
     assert jagged_bwd.resolve_dq_mode(None, deterministic=False) == jagged_bwd.DEFAULT_DQ_MODE
 
@@ -228,9 +253,33 @@ def check(q_lens, kv_lens, heads_q, heads_kv, head_dim, causal, window, broadcas
     relerr = ((dq - dq_ref).norm() / dq_ref.norm()).item()
     assert relerr <= specs.GRAD_RELERR, f"dQ relative error {relerr:.2e} ({config})"
 
+# The block-sparse fork: each query block walks its selected key blocks (raw picks: padding, repeats,
+# picks past the sequence), against autograd through the block-sparse reference.
+def check_sparse(lengths, heads, causal, seed, config):
+    from jfa.sparse import canonical_selection
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(lengths), heads, 64, generator=gen).half() for _ in range(3))
+    off = offsets(lengths)
+    q_blocks = -(-max(lengths) // specs.BLOCK_SPARSE_BLOCK)
+    raw = torch.randint(-1, q_blocks + 1, (len(lengths), heads, q_blocks, 3), generator=gen, dtype=torch.int32)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    block = specs.BLOCK_SPARSE_BLOCK
+    out, lse = reference.block_sparse_attention_ref(*leaves, off, off, raw, block, block, causal=causal)
+    dout = torch.randn(out.shape, generator=gen).half()
+    dq_ref = torch.autograd.grad(out, leaves[0], dout.float())[0]
+    delta = jb.compute_delta(out.detach().half(), dout)
+    target = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    jb.launch_dq(q, k, v, dout, lse.detach().float().contiguous(), delta, target, off, off, max(lengths),
+                 1 / math.sqrt(64), causal, None, False, config, canonical_selection(raw, off, block))
+    assert not torch.isnan(target).any(), "dQ rows left unwritten"
+    relerr = ((target.float() - dq_ref).norm() / dq_ref.norm()).item()
+    assert relerr <= specs.GRAD_RELERR, f"block-sparse dQ relative error {relerr:.2e} ({config})"
+
 # Both kernel shapes; sequences of several 64-key tiles, so the masked head, the mask-free bulk and the
 # masked tail loops all run (windows and causal move the bulk's edges).
 for config in jb.DQ_CONFIGS:
+    check_sparse([300, 1, 0, 129, 400], 2, False, 4, config)
+    check_sparse([300, 129, 400, 77], 2, True, 5, config)
     check([0, 1, 63, 65, 130, 7, 300], [0, 1, 63, 65, 130, 7, 300], 4, 2, 64, False, None, False, 0, config)
     check([5, 64, 130, 0, 20, 290], [70, 64, 20, 9, 0, 330], 2, 2, 64, True, 16, False, 1, config)
     check([290, 140, 3], [300, 200, 3], 2, 2, 64, False, 70, False, 3, config)

@@ -26,7 +26,7 @@ def raw_selection(max_sel=5, seed=0):
 def test_canonical_selection_is_sorted_distinct_and_in_range():
     idx = raw_selection(max_sel=5)
     selection = sparse.canonical_selection(idx, lengths_to_offsets(LENGTHS), 128)
-    assert selection.width == 8 and selection.blocks.dtype == torch.int32 and selection.q_blocks == 3
+    assert selection.width == 8 and selection.blocks.dtype == torch.int32 and selection.row_blocks == 3
     for b, length in enumerate(LENGTHS):
         key_blocks = -(-length // 128)
         for h in range(HEADS):
@@ -35,6 +35,22 @@ def test_canonical_selection_is_sorted_distinct_and_in_range():
                 count = int(selection.counts[b, h, i])
                 assert selection.blocks[b, h, i, :count].tolist() == want
                 assert not selection.blocks[b, h, i, count:].any()
+
+
+def test_transposed_selection_lists_the_selecting_query_blocks():
+    idx = raw_selection(max_sel=5, seed=3)
+    selection = sparse.canonical_selection(idx, lengths_to_offsets(LENGTHS), 128)
+    key_blocks = 3
+    by_key = sparse.transposed_selection(selection, key_blocks)
+    assert by_key.blocks.shape[:3] == (len(LENGTHS), HEADS, key_blocks) and by_key.width == 4
+    for b in range(len(LENGTHS)):
+        for h in range(HEADS):
+            for j in range(key_blocks):
+                want = [i for i in range(3)
+                        if j in selection.blocks[b, h, i, :int(selection.counts[b, h, i])].tolist()]
+                count = int(by_key.counts[b, h, j])
+                assert by_key.blocks[b, h, j, :count].tolist() == want
+                assert not by_key.blocks[b, h, j, count:].any()
 
 
 @pytest.mark.parametrize("causal", [False, True])

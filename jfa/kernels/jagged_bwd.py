@@ -143,10 +143,11 @@ def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num
                       BROADCAST_Q: tl.constexpr):
     """Decode tile id -> its keys and the query blocks that see them.
 
-    Returns (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks):
-    the tile's keys are sequence-local columns col0 .. col0+BLOCK_N-1, and it visits query blocks
-    starting at sequence-local rows first_row + i*BLOCK_M for i < num_q_blocks. Query i sees key j
-    (causal) iff i >= j - (kv_len - q_len), and (window) iff j - W <= i <= j + W.
+    Returns (kv_head, seq, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
+    num_q_blocks): the tile's keys are sequence-local columns col0 .. col0+BLOCK_N-1, and it visits
+    query blocks starting at sequence-local rows first_row + i*BLOCK_M for i < num_q_blocks. Query i
+    sees key j (causal) iff i >= j - (kv_len - q_len), and (window) iff j - W <= i <= j + W. (The
+    block-sparse fork visits the selected query blocks instead: `_query_block_row`.)
     """
     entry = tl.load(tile_entries_ptr + tile // num_kv_heads)
     kv_head = tile % num_kv_heads
@@ -164,7 +165,40 @@ def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num
         q_hi = tl.minimum(q_hi, col_last + window + 1)
     first_row = (q_lo // BLOCK_M) * BLOCK_M
     num_q_blocks = tl.where(q_hi > q_lo, tl.cdiv(q_hi - first_row, BLOCK_M), 0)
-    return (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks)
+    return (kv_head, seq, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks)
+
+
+@triton.jit
+def _query_blocks_of(seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr, num_q_heads,
+                     sel_kv_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_WIDTH: tl.constexpr,
+                     BLOCK_SPARSE: tl.constexpr):
+    """(selected, count): the query blocks of BLOCK_M rows query head `head` streams past this key tile.
+
+    Dense: the geometry's consecutive blocks. Block-sparse: the transposed selection's row for
+    (sequence, head, key block) lists the selecting query blocks of BLOCK_N rows in ascending order;
+    each is streamed as BLOCK_N // BLOCK_M blocks of BLOCK_M rows.
+    """
+    if BLOCK_SPARSE:
+        entry = (seq * num_q_heads + head) * sel_kv_blocks + col0 // BLOCK_N
+        selected = q_blocks_ptr + entry.to(tl.int64) * SEL_WIDTH
+        count = tl.load(q_block_counts_ptr + entry) * (BLOCK_N // BLOCK_M)
+    else:
+        selected = num_q_blocks  # unused: consecutive query blocks
+        count = num_q_blocks
+    return selected, count
+
+
+@triton.jit
+def _query_block_row(block, first_row, selected, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_SPARSE: tl.constexpr):
+    """Sequence-local first row of the `block`-th query block a key tile streams (the one place the
+    block-sparse fork changes the backward's iteration)."""
+    if BLOCK_SPARSE:
+        SUB: tl.constexpr = BLOCK_N // BLOCK_M
+        row = tl.load(selected + block // SUB) * BLOCK_N + (block % SUB) * BLOCK_M
+    else:
+        row = first_row + block * BLOCK_M
+    return row
 
 
 @triton.jit
@@ -238,14 +272,16 @@ def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv
                                "gqa_group"])
 def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, dq_accum_ptr,
                        dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr,
-                       num_entries_ptr, stride_lse_head, stride_delta_head, stride_dq_row,
+                       num_entries_ptr, q_blocks_ptr, q_block_counts_ptr, sel_kv_blocks,
+                       stride_lse_head, stride_delta_head, stride_dq_row,
                        dq_partial_stride, dq_partial_rows,
                        stride_dkv_row, num_kv_heads, kv_blocks_per_seq, broadcast_q_len, window,
                        gqa_group, qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                        HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr,
                        DQ_MODE: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr,
-                       NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr):
+                       NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr,
+                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
@@ -279,7 +315,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
             kv_loads = 0
             q_loads = 0
             for tile in range(first_tile, num_tiles, tile_stride):
-                (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
+                (kv_head, seq, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
                  num_q_blocks) = _kv_tile_geometry(
                      tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_kv_heads,
                      kv_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, CAUSAL,
@@ -297,8 +333,13 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                     kv_loads += 1
                     for g in range(gqa_group):
                         head = kv_head * gqa_group + g
-                        for block in range(num_q_blocks):
-                            row = first_row + block * BLOCK_M
+                        selected, head_blocks = _query_blocks_of(
+                            seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
+                            num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
+                            BLOCK_SPARSE)
+                        for block in range(head_blocks):
+                            row = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N,
+                                                   BLOCK_SPARSE)
                             slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
                             tlx.barrier_wait(q_empties[slot], phase ^ 1)
                             tlx.barrier_expect_bytes(q_fulls[slot], 2 * Q_BYTES)
@@ -318,7 +359,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
             kv_loads = 0
             q_loads = 0
             for tile in range(first_tile, num_tiles, tile_stride):
-                (kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
+                (kv_head, seq, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
                  num_q_blocks) = _kv_tile_geometry(
                      tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num_kv_heads,
                      kv_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, CAUSAL,
@@ -334,13 +375,19 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                     dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
                     for g in range(gqa_group):
                         head = kv_head * gqa_group + g
-                        for block in range(num_q_blocks):
+                        selected, head_blocks = _query_blocks_of(
+                            seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
+                            num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
+                            BLOCK_SPARSE)
+                        for block in range(head_blocks):
                             slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
                             tlx.barrier_wait(q_fulls[slot], phase)
                             dk, dv = _consumer_q_step(
                                 q_tiles[slot], do_tiles[slot], k_tile, v_tile, ds_stage, dq_stage,
                                 desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0,
-                                kv_len, kv_cols, first_row + block * BLOCK_M, window,
+                                kv_len, kv_cols,
+                                _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N,
+                                                 BLOCK_SPARSE), window,
                                 stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2,
                                 sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE)
                             tlx.barrier_arrive(q_empties[slot], 1)
@@ -392,17 +439,22 @@ def _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0,
 @triton.jit(do_not_specialize=["stride_lse_head", "stride_delta_head", "dq_partial_stride",
                                "broadcast_q_len", "window", "gqa_group"])
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
-               kv_offsets_ptr, stride_q_row, stride_kv_row, stride_lse_head, stride_delta_head,
+               kv_offsets_ptr, kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, stride_q_row,
+               stride_kv_row, stride_lse_head, stride_delta_head,
                dq_partial_stride, broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr,
+               BLOCK_SPARSE: tl.constexpr = False, SEL_WIDTH: tl.constexpr = 1,
+               SEL_BLOCK: tl.constexpr = 128):
     """Deterministic dQ: one program owns (query block, sequence, head) and walks its keys in order.
 
     Plain Triton, query-stationary: it recomputes S and dP (the KV-stationary kernel has them, but
     adding its pieces needs atomics, whose order is not reproducible). With broadcast-Q each
     sequence writes its own fp32 partial `dq_ptr[seq]`, summed in a fixed order afterwards.
     The key range is walked as masked head tiles, mask-free bulk tiles and masked tail tiles, like
-    the forward's KV loop (`common.visible_key_range`).
+    the forward's KV loop (`common.visible_key_range`). Block-sparse: the keys are the selected blocks
+    of SEL_BLOCK keys of the block's row of the (forward's) selection, ascending, so those every row
+    sees whole come first and run mask-free (`jagged_fwd._tile_geometry` says why).
     """
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -433,18 +485,37 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offset
         bulk_hi = tl.minimum(tl.maximum(first_col + tl.maximum(full_hi - first_col, 0) // BLOCK_N * BLOCK_N,
                                         bulk_lo), end_col)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for col0 in range(first_col, bulk_lo, BLOCK_N):
-            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
-                           q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
-                           HAS_WINDOW, True)
-        for col0 in range(bulk_lo, bulk_hi, BLOCK_N):
-            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
-                           q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
-                           HAS_WINDOW, False)
-        for col0 in range(bulk_hi, kv_hi, BLOCK_N):
-            acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
-                           q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
-                           HAS_WINDOW, True)
+        if BLOCK_SPARSE:
+            SUB: tl.constexpr = SEL_BLOCK // BLOCK_N  # key steps per selected block
+            entry = (seq * tl.num_programs(2) + head) * sel_q_blocks + row_lo // SEL_BLOCK
+            selected = kv_blocks_ptr + entry.to(tl.int64) * SEL_WIDTH
+            count = tl.where(kv_hi > kv_lo, tl.load(kv_block_counts_ptr + entry), 0)
+            picks = tl.arange(0, SEL_WIDTH)
+            blocks = tl.load(selected + picks, mask=picks < count, other=0)
+            whole = tl.sum(((picks < count) & ((blocks + 1) * SEL_BLOCK <= full_hi)).to(tl.int32), 0)
+            for step in range(0, whole * SUB):
+                col0 = tl.load(selected + step // SUB) * SEL_BLOCK + (step % SUB) * BLOCK_N
+                acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                               q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                               HAS_WINDOW, False)
+            for step in range(whole * SUB, count * SUB):
+                col0 = tl.load(selected + step // SUB) * SEL_BLOCK + (step % SUB) * BLOCK_N
+                acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                               q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                               HAS_WINDOW, True)
+        else:
+            for col0 in range(first_col, bulk_lo, BLOCK_N):
+                acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                               q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                               HAS_WINDOW, True)
+            for col0 in range(bulk_lo, bulk_hi, BLOCK_N):
+                acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                               q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                               HAS_WINDOW, False)
+            for col0 in range(bulk_hi, kv_hi, BLOCK_N):
+                acc = _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0, rows, row_ok,
+                               q_len, kv_len, window, stride_kv_row, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL,
+                               HAS_WINDOW, True)
         out_ptrs = dq_ptr + seq.to(tl.int64) * dq_partial_stride + q_offs
         tl.store(out_ptrs, (acc * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -455,7 +526,7 @@ _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _SIGNATURE_SCALARS = dict(
     lse_ptr="*fp32", delta_ptr="*fp32", dq_accum_ptr="*fp32", dk_ptr=None, dv_ptr=None,
     q_offsets_ptr="*i32", kv_offsets_ptr="*i32", tile_entries_ptr="*i32", num_entries_ptr="*i32",
-    stride_lse_head="i32", stride_delta_head="i32", stride_dq_row="i32", dq_partial_stride="i64",
+    sel_kv_blocks="i32", stride_lse_head="i32", stride_delta_head="i32", stride_dq_row="i32", dq_partial_stride="i64",
     dq_partial_rows="i32",
     stride_dkv_row="i32", num_kv_heads="i32", kv_blocks_per_seq="i32", broadcast_q_len="i32",
     window="i32", gqa_group="i32", qk_scale_log2="fp32", sm_scale="fp32")
@@ -473,8 +544,11 @@ def resolve_dq_mode(dq_mode: str | None, deterministic: bool) -> str:
 
 
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, window: int | None = None,
-                  broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE) -> dict:
-    """The TLX kernel's constexprs for one problem class (tuning from TUNING, flags from the problem)."""
+                  broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE, selection_width: int = 0) -> dict:
+    """The TLX kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
+
+    `selection_width` > 0 compiles the block-sparse fork (the transposed selection's row width).
+    """
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {sorted(DQ_MODES)}, got {dq_mode!r}")
     if head_dim not in TUNING:
@@ -484,17 +558,23 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
     tuning = dict(TUNING[head_dim])
     if dq_mode != "separate":
         tuning.update(FUSED_DQ_TUNING.get(head_dim, {}))
+    if selection_width and (window is not None or broadcast_q or dq_mode != "separate"
+                            or tuning["BLOCK_N"] != specs.BLOCK_SPARSE_BLOCK):
+        raise ValueError("the block-sparse backward takes no window or broadcast-Q, the separate dQ kernel, "
+                         f"and {specs.BLOCK_SPARSE_BLOCK}-key tiles")
     return dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
-                BROADCAST_Q=bool(broadcast_q), DQ_MODE=DQ_MODES[dq_mode], **tuning)
+                BROADCAST_Q=bool(broadcast_q), DQ_MODE=DQ_MODES[dq_mode], BLOCK_SPARSE=selection_width > 0,
+                SEL_WIDTH=max(selection_width, 1), **tuning)
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                 window: int | None = None, broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE):
+                 window: int | None = None, broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE,
+                 selection_width: int = 0):
     """Compile-only description of one TLX configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
-                               dq_mode=dq_mode)
+                               dq_mode=dq_mode, selection_width=selection_width)
     name = _TRITON_DTYPE_NAMES[dtype]
     keys = constexprs["BLOCK_N"] // NUM_CONSUMERS.value
     signature = dict(desc_q=f"tensordesc<{name}[{constexprs['BLOCK_M']}, {head_dim}]>",
@@ -504,6 +584,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                      desc_dq=f"tensordesc<fp32[{constexprs['BLOCK_M']}, {head_dim}]>",
                      **_SIGNATURE_SCALARS)
     signature["dk_ptr"] = signature["dv_ptr"] = f"*{name}"
+    constexprs = constexprs | _selection_args(signature, selection_width, ("q_blocks_ptr", "q_block_counts_ptr"))
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_bwd_kernel, signature=signature, constexprs=constexprs,
                       num_warps=PRODUCER_WARPS, name="jagged_bwd", aligned=("stride_dq_row", "stride_dkv_row"),
@@ -521,8 +602,18 @@ def dq_config(q_rows: int, kv_rows: int, num_seqs: int, broadcast_q: bool) -> st
     return "long" if long else "short"
 
 
+def _selection_args(signature: dict, selection_width: int, names: tuple[str, str]) -> dict:
+    """Give a spec's selection pointers their types: int32 pointers for the block-sparse fork, else
+    compile-time None (what dense launches pass); returns the constexprs to add."""
+    if selection_width:
+        signature.update({name: "*i32" for name in names})
+        return {}
+    return {name: None for name in names}
+
+
 def dq_inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                    window: int | None = None, broadcast_q: bool = False, config: str = "long"):
+                    window: int | None = None, broadcast_q: bool = False, config: str = "long",
+                    selection_width: int = 0):
     """Compile-only description of the deterministic dQ kernel (fp32 partials with broadcast-Q)."""
     from jfa.inspect import KernelSpec
 
@@ -531,24 +622,29 @@ def dq_inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, ca
     name = _TRITON_DTYPE_NAMES[dtype]
     shape = DQ_CONFIGS[config]
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], CAUSAL=bool(causal),
-                      HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q))
+                      HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
+                      BLOCK_SPARSE=selection_width > 0, SEL_WIDTH=max(selection_width, 1),
+                      SEL_BLOCK=specs.BLOCK_SPARSE_BLOCK)
     signature = dict(q_ptr=f"*{name}", k_ptr=f"*{name}", v_ptr=f"*{name}", do_ptr=f"*{name}",
                      lse_ptr="*fp32", delta_ptr="*fp32", dq_ptr="*fp32" if broadcast_q else f"*{name}",
-                     q_offsets_ptr="*i32", kv_offsets_ptr="*i32", stride_q_row="i32",
+                     q_offsets_ptr="*i32", kv_offsets_ptr="*i32", sel_q_blocks="i32", stride_q_row="i32",
                      stride_kv_row="i32", stride_lse_head="i32", stride_delta_head="i32",
                      dq_partial_stride="i64", broadcast_q_len="i32", window="i32", gqa_group="i32",
-                     qk_scale_log2="fp32", sm_scale="fp32", **{k: "constexpr" for k in constexprs})
+                     qk_scale_log2="fp32", sm_scale="fp32")
+    constexprs = constexprs | _selection_args(signature, selection_width, ("kv_blocks_ptr", "kv_block_counts_ptr"))
+    signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_dq_kernel, signature=signature, constexprs=constexprs, num_warps=shape["num_warps"],
                       num_stages=shape["num_stages"], name=f"jagged_bwd_dq_{config}", target="sm_90",
                       aligned=("stride_q_row", "stride_kv_row"))
 
 
 def launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_seq_len_q, sm_scale, causal,
-              window, broadcast_q, config: str) -> None:
+              window, broadcast_q, config: str, selection=None) -> None:
     """Run the deterministic dQ kernel in shape `config` into `dq_target`.
 
     `dq_target` is dq itself (q's dtype), or with broadcast-Q the fp32 per-sequence partials
-    `[num_seqs, q_len, Hq, D]`. Also what the CPU interpreter test launches.
+    `[num_seqs, q_len, Hq, D]`. `selection` (the forward's `jfa.sparse.BlockSelection`) runs the
+    block-sparse fork. Also what the CPU interpreter test launches.
     """
     shape = DQ_CONFIGS[config]
     num_seqs = kv_offsets.numel() - 1
@@ -557,12 +653,15 @@ def launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_s
     row_width = q_heads * head_dim
     q_blocks = triton.cdiv(q_rows if broadcast_q else max_seq_len_q, shape["BLOCK_M"])
     _dq_kernel[(max(1, q_blocks), num_seqs, q_heads)](
-        q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, row_width, kv_heads * head_dim,
+        q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets,
+        None if selection is None else selection.blocks, None if selection is None else selection.counts,
+        0 if selection is None else selection.row_blocks, row_width, kv_heads * head_dim,
         lse.stride(0), delta.stride(0), q_rows * row_width if broadcast_q else 0, q_rows if broadcast_q else 0,
         0 if window is None else window, q_heads // kv_heads, sm_scale * LOG2E.value, sm_scale,
         HEAD_DIM=head_dim, BLOCK_M=shape["BLOCK_M"], BLOCK_N=shape["BLOCK_N"], CAUSAL=bool(causal),
-        HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q), num_warps=shape["num_warps"],
-        num_stages=shape["num_stages"])
+        HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
+        BLOCK_SPARSE=selection is not None, SEL_WIDTH=1 if selection is None else selection.width,
+        SEL_BLOCK=specs.BLOCK_SPARSE_BLOCK, num_warps=shape["num_warps"], num_stages=shape["num_stages"])
 
 
 def is_supported(q: torch.Tensor) -> bool:
@@ -590,7 +689,7 @@ def compute_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
                          sm_scale, causal, window, broadcast_q, *, deterministic=False, dq_mode=None,
-                         grads=None):
+                         grads=None, selection=None):
     """Run the backward; returns (dq, dk, dv) in the dtypes of q, k, v.
 
     Inputs are already validated (`jfa.jagged.validate_jagged_attention`), CUDA, contiguous rows;
@@ -598,6 +697,9 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     poison them. `deterministic=True` makes every gradient bitwise reproducible (see the module doc).
     `dq_mode` picks how dQ is formed: "separate" (its own deterministic kernel), "atomic" or
     "tma_reduce" (fused into the KV-stationary kernel, fp32 adds); None takes DEFAULT_DQ_MODE.
+    `selection` (the forward's `jfa.sparse.BlockSelection`) runs the block-sparse fork of both
+    kernels: the dK/dV kernel streams, per key block, the query blocks that selected it (the
+    transposed selection), the dQ kernel walks each query block's selected key blocks.
     """
     dq_mode = resolve_dq_mode(dq_mode, deterministic)
     num_seqs = kv_offsets.numel() - 1
@@ -620,8 +722,13 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         max_seq_len_q = broadcast_q_len if broadcast_q else int((q_offsets[1:] - q_offsets[:-1]).max())
     q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
     delta = compute_delta(out, dout)
+    by_key_block = None
+    if selection is not None:
+        from jfa.sparse import transposed_selection
+
+        by_key_block = transposed_selection(selection, triton.cdiv(max_seq_len_kv, specs.BLOCK_SPARSE_BLOCK))
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window, broadcast_q=broadcast_q,
-                           dq_mode=dq_mode)
+                           dq_mode=dq_mode, selection_width=0 if by_key_block is None else by_key_block.width)
     fused_dq = dq_mode != "separate"
     schedule = build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=max_seq_len_kv,
                                       broadcast_q_len=broadcast_q_len, block_m=config["BLOCK_M"],
@@ -642,8 +749,9 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         _rows_descriptor(v, config["BLOCK_N"] // NUM_CONSUMERS.value), _rows_descriptor(dout, config["BLOCK_M"]),
         _rows_descriptor(dq_accum.flatten(0, 1), config["BLOCK_M"]),
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
-        lse.stride(0), delta.stride(0), row_width, q.shape[0] * row_width if partials > 1 else 0,
-        q.shape[0] if partials > 1 else 0, kv_heads * head_dim, kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
+        None if by_key_block is None else by_key_block.blocks, None if by_key_block is None else by_key_block.counts,
+        0 if by_key_block is None else by_key_block.row_blocks, lse.stride(0), delta.stride(0), row_width,
+        q.shape[0] * row_width if partials > 1 else 0, q.shape[0] if partials > 1 else 0, kv_heads * head_dim, kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
         0 if window is None else window, q_heads // kv_heads, qk_scale_log2, sm_scale,
         num_warps=PRODUCER_WARPS, num_stages=1, **config)
     if fused_dq:
@@ -653,7 +761,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     dq_target = (torch.empty((num_seqs, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
                  if broadcast_q else dq)
     launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_seq_len_q, sm_scale, causal, window,
-              broadcast_q, dq_config(q.shape[0], k.shape[0], num_seqs, broadcast_q))
+              broadcast_q, dq_config(q.shape[0], k.shape[0], num_seqs, broadcast_q), selection)
     if broadcast_q:
         dq.copy_(dq_target.sum(0))
     return dq, dk, dv

@@ -182,8 +182,10 @@ def _key_tile_col(n, first_col, selected, BLOCK_N: tl.constexpr, BLOCK_SPARSE: t
     """Sequence-local first key of a tile's n-th key tile: consecutive tiles, or the n-th selected
     block (the one line where the block-sparse fork changes the iteration)."""
     if BLOCK_SPARSE:
-        return tl.load(selected + n) * BLOCK_N
-    return first_col + n * BLOCK_N
+        col = tl.load(selected + n) * BLOCK_N
+    else:
+        col = first_col + n * BLOCK_N
+    return col
 
 
 @triton.jit
@@ -615,7 +617,7 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if selection is None else selection.blocks,
         None if selection is None else selection.counts,
-        0 if selection is None else selection.q_blocks,
+        0 if selection is None else selection.row_blocks,
         out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,
         0 if window is None else window, q_heads // kv_heads, sm_scale * LOG2E.value,
         num_warps=PRODUCER_WARPS, num_stages=1, **config)
