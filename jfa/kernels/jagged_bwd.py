@@ -269,7 +269,7 @@ def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv
 # variant for every combination of "divisible by 16" and "== 1" among them).
 @triton.jit(do_not_specialize=["stride_lse_head", "stride_delta_head", "dq_partial_stride",
                                "dq_partial_rows", "num_kv_heads", "kv_blocks_per_seq", "broadcast_q_len", "window",
-                               "gqa_group"])
+                               "gqa_group", "sel_kv_blocks"])
 def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, dq_accum_ptr,
                        dk_ptr, dv_ptr, q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr,
                        num_entries_ptr, q_blocks_ptr, q_block_counts_ptr, sel_kv_blocks,
@@ -437,15 +437,14 @@ def _dq_step(acc, q, do, lse_log2, delta, k_ptr, v_ptr, kv_start, kv_head, col0,
 
 
 @triton.jit(do_not_specialize=["stride_lse_head", "stride_delta_head", "dq_partial_stride",
-                               "broadcast_q_len", "window", "gqa_group"])
+                               "broadcast_q_len", "window", "gqa_group", "sel_q_blocks"])
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offsets_ptr,
                kv_offsets_ptr, kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, stride_q_row,
                stride_kv_row, stride_lse_head, stride_delta_head,
                dq_partial_stride, broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr,
-               BLOCK_SPARSE: tl.constexpr = False, SEL_WIDTH: tl.constexpr = 1,
-               SEL_BLOCK: tl.constexpr = 128):
+               BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, SEL_BLOCK: tl.constexpr):
     """Deterministic dQ: one program owns (query block, sequence, head) and walks its keys in order.
 
     Plain Triton, query-stationary: it recomputes S and dP (the KV-stationary kernel has them, but
