@@ -198,8 +198,10 @@ def _first_keys(tile, KEYS: tl.constexpr):
 
 @triton.jit
 def _load_ring_tiles(desc, tiles, fulls, empties, slot, phase, kv_row, head, gqa_group,
-                     HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
-    """TMA-load one K (or V) tile per head of the tile into ring slot `slot`, first KEYS keys each."""
+                     HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr,
+                     TRANSPOSED: tl.constexpr = False):
+    """TMA-load one K (or V) tile per head of the tile into ring slot `slot`, first KEYS keys each.
+    TRANSPOSED: `desc` views the tensor as `[heads*D, keys]` (FP8's V^T) and the box is `[D, KEYS]`."""
     BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(tlx.dtype_of(desc))
     for lane in tl.static_range(HEADS_PER_TILE):
         buf = slot * HEADS_PER_TILE + lane
@@ -207,31 +209,49 @@ def _load_ring_tiles(desc, tiles, fulls, empties, slot, phase, kv_row, head, gqa
         kv_col = ((head + lane) // gqa_group) * HEAD_DIM
         tlx.barrier_wait(empties[buf], phase ^ 1)
         tlx.barrier_expect_bytes(fulls[buf], BYTES)
-        tlx.async_descriptor_load(desc, _first_keys(tiles[buf], KEYS), [kv_row, kv_col], fulls[buf])
+        if TRANSPOSED:
+            tlx.async_descriptor_load(desc, tiles[buf], [kv_col, kv_row], fulls[buf])
+        else:
+            tlx.async_descriptor_load(desc, _first_keys(tiles[buf], KEYS), [kv_row, kv_col], fulls[buf])
 
 
 @triton.jit
 def _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties,
                      kv_count, kv_row, head, gqa_group, HEAD_DIM: tl.constexpr,
-                     NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
+                     NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr,
+                     FP8: tl.constexpr = False):
     """TMA-load the next KV tile (its first KEYS keys, `desc_k`/`desc_v` boxes of that many rows)
-    into the ring: K first, so QK^T can start while V lands."""
+    into the ring: K first, so QK^T can start while V lands. FP8: V comes transposed."""
     slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
     _load_ring_tiles(desc_k, k_tiles, k_fulls, k_empties, slot, phase, kv_row, head, gqa_group,
                      HEAD_DIM, HEADS_PER_TILE, KEYS)
     _load_ring_tiles(desc_v, v_tiles, v_fulls, v_empties, slot, phase, kv_row, head, gqa_group,
-                     HEAD_DIM, HEADS_PER_TILE, KEYS)
+                     HEAD_DIM, HEADS_PER_TILE, KEYS, FP8)
+
+
+@triton.jit
+def _values(tile, FP8: tl.constexpr):
+    """The `[keys, D]` B operand of P·V. FP8 wgmma reads B only K-major (keys contiguous), so the FP8
+    fork keeps V transposed in shared memory, `[D, keys]`, and multiplies its transposed view."""
+    if FP8:
+        tile = tlx.local_trans(tile)
+    return tile
 
 
 @triton.jit
 def _consumer_drain(p, acc, v_tiles, v_fulls, v_empties, kv_count, cid: tl.constexpr,
-                    NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr):
+                    NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr,
+                    FP8: tl.constexpr = False):
     """The last KV tile's P·V (its first KEYS keys), which no later QK^T hides."""
     LANE: tl.constexpr = cid if HEADS_PER_TILE == 2 else 0
     v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
     v_buf = v_slot * HEADS_PER_TILE + LANE
     tlx.barrier_wait(v_fulls[v_buf], v_phase)
-    acc = tlx.async_dot(p.to(v_tiles.dtype), _first_keys(v_tiles[v_buf], KEYS), acc)
+    if FP8:  # no half tiles in the FP8 fork
+        values = _values(v_tiles[v_buf], FP8)
+    else:
+        values = _first_keys(v_tiles[v_buf], KEYS)
+    acc = tlx.async_dot(p.to(v_tiles.dtype), values, acc)
     acc = tlx.async_dot_wait(0, acc)
     tlx.barrier_arrive(v_empties[v_buf], 1)
     return acc
@@ -243,7 +263,7 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
                       cid: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
-                      KEYS: tl.constexpr):
+                      KEYS: tl.constexpr, FP8: tl.constexpr = False):
     """One KV tile of a consumer (its first KEYS keys): issue QK^T(n), then P·V(n-1) behind it,
     then softmax(n).
 
@@ -262,7 +282,7 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
     v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
     v_buf = v_slot * HEADS_PER_TILE + LANE
     tlx.barrier_wait(v_fulls[v_buf], v_phase)
-    acc = tlx.async_dot(p.to(v_tiles.dtype), v_tiles[v_buf], acc)
+    acc = tlx.async_dot(p.to(v_tiles.dtype), _values(v_tiles[v_buf], FP8), acc)
 
     qk = tlx.async_dot_wait(1, qk)
     tlx.barrier_arrive(k_empties[k_buf], 1)
@@ -283,11 +303,11 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                        q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr,
                        kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, stride_out_row, stride_lse_head,
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
-                       qk_scale_log2, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+                       qk_scale_log2, v_descale, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                        BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
                        CONSUMER_REGISTERS: tl.constexpr, HALF_TAIL: tl.constexpr,
-                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
+                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, FP8: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
@@ -298,6 +318,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
     HEAD_STEP: tl.constexpr = 0 if HEADS_PER_TILE == 1 else 1
     KV_READERS: tl.constexpr = CONSUMERS // HEADS_PER_TILE  # consumers that free each K/V tile
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty  # q's dtype, or bf16 from FP8 inputs
     Q_BYTES: tl.constexpr = ROWS * HEAD_DIM * tlx.size_of(dtype)
 
     num_entries = tl.load(num_entries_ptr)
@@ -307,7 +328,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
 
     q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
-    v_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
+    v_tiles = tlx.local_alloc((HEAD_DIM, BLOCK_N) if FP8 else (BLOCK_N, HEAD_DIM), dtype,
+                              NUM_KV_BUFFERS * HEADS_PER_TILE)
     q_fulls = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
     q_empties = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
     k_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS * HEADS_PER_TILE, arrive_count=1)
@@ -351,9 +373,9 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                                                           BLOCK_SPARSE)
                         _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties,
                                          v_fulls, v_empties, kv_count, kv_row, head, gqa_group,
-                                         HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
+                                         HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
                         kv_count += 1
-                    if half_tail:
+                    if HALF_TAIL and half_tail:  # compiled only with HALF_TAIL
                         kv_row = kv_start + first_col + num_steps * BLOCK_N
                         _produce_kv_tile(desc_k_tail, desc_v_tail, k_tiles, v_tiles, k_fulls,
                                          k_empties, v_fulls, v_empties, kv_count, kv_row, head,
@@ -422,7 +444,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
                     for n in range(bulk_lo, bulk_hi):
                         col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
                                              BLOCK_SPARSE)
@@ -430,7 +452,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
                     num_steps = num_kv_tiles - half_tail  # key tiles taken whole
                     for n in range(bulk_hi, num_steps):
                         col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
@@ -439,28 +461,30 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
 
                     # Drain: the last tile's P·V; a half last tile multiplies only its half.
-                    if half_tail:
+                    if HALF_TAIL and half_tail:  # compiled only with HALF_TAIL
                         p_tail, acc, m_i, l_i, kv_count = _consumer_kv_step(
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + num_steps * BLOCK_N,
                             rows, q_len, kv_len, window, qk_scale_log2, cid, True, CAUSAL,
-                            HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2)
+                            HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8)
                         acc = _consumer_drain(p_tail, acc, v_tiles, v_fulls, v_empties, kv_count,
-                                              cid, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2)
+                                              cid, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8)
                     else:
                         acc = _consumer_drain(p, acc, v_tiles, v_fulls, v_empties, kv_count, cid,
-                                              NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N)
+                                              NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
 
                     # Finalize inside the branch: joining the wgmma accumulator with a zero tile
                     # would make the compiler convert fp32 accumulators through shared memory.
-                    out, lse = finalize_rows(acc, m_i, l_i, dtype)
+                    if FP8:  # V's per-tensor scale, applied once instead of on every P·V
+                        acc = acc * v_descale
+                    out, lse = finalize_rows(acc, m_i, l_i, out_dtype)
                     store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, my_head,
                                stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
                 else:  # the block sees no key at all: output 0, LSE -inf
-                    store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], dtype),
+                    store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], out_dtype),
                                tl.full([ROWS], float("-inf"), tl.float32), out_row0, first_row,
                                q_len, my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
 
@@ -470,8 +494,10 @@ _SIGNATURE_AFTER_OUT = dict(
     tile_entries_ptr="*i32", num_entries_ptr="*i32", sel_q_blocks="i32", stride_out_row="i32",
     stride_lse_head="i32",
     num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32",
-    gqa_group="i32", qk_scale_log2="fp32")
-_TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    gqa_group="i32", qk_scale_log2="fp32", v_descale="fp32")
+_TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_OUT_DTYPE = torch.bfloat16  # FP8 inputs, bf16 output (and fp32 LSE)
 
 
 def tile_rows(heads_per_tile: int) -> int:
@@ -496,7 +522,8 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
     """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
 
     `selection_width` > 0 compiles the block-sparse fork: the padded width of the canonical block
-    selection (`jfa.sparse`), a power of two.
+    selection (`jfa.sparse`), a power of two. An FP8 `dtype` (E4M3) compiles the FP8 fork: FP8
+    wgmma for QK^T and P·V, with V transposed in memory and P quantized in registers.
     """
     if head_dim not in specs.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {specs.SUPPORTED_HEAD_DIMS}, got {head_dim}")
@@ -504,6 +531,8 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
         raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
     if heads_per_tile not in (1, 2):
         raise ValueError(f"heads_per_tile must be 1 or 2, got {heads_per_tile}")
+    if dtype == FP8_DTYPE and (heads_per_tile != 1 or half_tail):
+        raise ValueError("the FP8 forward takes one head per tile and no half last tiles")
     if selection_width:
         if selection_width & (selection_width - 1):
             raise ValueError(f"selection_width must be a power of two, got {selection_width}")
@@ -516,7 +545,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
                 ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
                 BLOCK_SPARSE=selection_width > 0, SEL_WIDTH=max(selection_width, 1),
-                **TUNING[(head_dim, heads_per_tile)])
+                FP8=dtype == FP8_DTYPE, **TUNING[(head_dim, heads_per_tile)])
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
@@ -531,9 +560,11 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
     tail_box = f"tensordesc<{name}[{constexprs['BLOCK_N'] // 2}, {head_dim}]>"
-    signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>",
-                     desc_k=kv_box, desc_v=kv_box, desc_k_tail=tail_box, desc_v_tail=tail_box,
-                     out_ptr=f"*{name}", **_SIGNATURE_AFTER_OUT)
+    fp8 = constexprs["FP8"]
+    signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>", desc_k=kv_box,
+                     desc_v=f"tensordesc<{name}[{head_dim}, {constexprs['BLOCK_N']}]>" if fp8 else kv_box,
+                     desc_k_tail=tail_box, desc_v_tail=tail_box,
+                     out_ptr=f"*{_TRITON_DTYPE_NAMES[FP8_OUT_DTYPE] if fp8 else name}", **_SIGNATURE_AFTER_OUT)
     if selection_width:
         signature.update(kv_blocks_ptr="*i32", kv_block_counts_ptr="*i32")
     else:  # launched with None there: compile-time constants
@@ -549,7 +580,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
 def is_supported(q: torch.Tensor) -> bool:
     """True when this kernel can run q's problem here: a Hopper GPU, a supported dtype and head_dim."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.dtype in specs.SUPPORTED_DTYPES and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
+            and q.dtype in specs.SUPPORTED_DTYPES + (FP8_DTYPE,) and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -563,9 +594,18 @@ def _rows_descriptor(t: torch.Tensor, box_rows: int) -> TensorDescriptor:
                             block_shape=[box_rows, dim])
 
 
+def transposed_values(v: torch.Tensor) -> torch.Tensor:
+    """FP8's V operand: `[Hkv*D, Tk_padded]`, keys contiguous (Tk padded to TMA's 16-byte stride)."""
+    rows, heads, dim = v.shape
+    padded = triton.cdiv(max(rows, 1), specs.TMA_ALIGN_BYTES) * specs.TMA_ALIGN_BYTES
+    v_t = torch.zeros((heads * dim, padded), dtype=v.dtype, device=v.device)
+    v_t[:, :rows] = v.reshape(rows, heads * dim).t()
+    return v_t
+
+
 def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
                          causal, window, broadcast_q, *, out=None, lse=None, schedule=None,
-                         selection=None):
+                         selection=None, descale=(1.0, 1.0, 1.0)):
     """Run the forward kernel; returns (out `[Tq_out, Hq, D]` in q's dtype, lse fp32 `[Hq, Tq_out]`).
 
     Inputs are already validated (`jfa.jagged.validate_jagged_attention`). `out` and `lse` may be
@@ -573,7 +613,9 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     valid rows are written. `schedule` (a `jfa.schedule.TileSchedule`) skips building the tile list.
     `max_seq_len_kv` only bounds the work values the tile list sorts by; the kernel reads every KV
     range from the offsets. `selection` (a `jfa.sparse.BlockSelection`, validated) runs the
-    block-sparse fork: each 128-row query block visits only its selected key blocks.
+    block-sparse fork: each 128-row query block visits only its selected key blocks. FP8 (E4M3)
+    q, k, v run the FP8 fork, output bf16; `descale` = (q, k, v) per-tensor scales, so that
+    q_real = q * descale[0] and so on.
     """
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
@@ -586,8 +628,9 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         max_seq_len_kv = k.shape[0]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
+    fp8 = q.dtype == FP8_DTYPE
     if out is None:
-        out = torch.empty((out_rows, q_heads, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty((out_rows, q_heads, head_dim), dtype=FP8_OUT_DTYPE if fp8 else q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((q_heads, out_rows), dtype=torch.float32, device=q.device)
     if out_rows == 0:
@@ -597,10 +640,10 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         lse.fill_(float("-inf"))
         return out, lse
 
-    pairing = 1 if selection is not None else heads_per_tile(max_seq_len_q, q_heads)
+    pairing = 1 if selection is not None or fp8 else heads_per_tile(max_seq_len_q, q_heads)
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window,
                            broadcast_q=broadcast_q, heads_per_tile=pairing,
-                           half_tail=selection is None and max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN,
+                           half_tail=selection is None and not fp8 and max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN,
                            selection_width=0 if selection is None else selection.width)
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
@@ -610,15 +653,23 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     config["ENTRY_MAJOR"] = schedule.q_blocks_per_seq == 1
     max_tiles = schedule.max_entries * (q_heads // pairing)
     grid = (max(1, min(_num_sms(q.device), max_tiles)),)
+    if fp8:
+        v_t = transposed_values(v)
+        desc_v = TensorDescriptor(v_t, shape=list(v_t.shape), strides=[v_t.shape[1], 1],
+                                  block_shape=[head_dim, config["BLOCK_N"]])
+    else:
+        desc_v = _rows_descriptor(v, config["BLOCK_N"])
+    q_descale, k_descale, v_descale = descale
     _jagged_fwd_kernel[grid](
         _rows_descriptor(q, ROWS_PER_CONSUMER.value),
-        _rows_descriptor(k, config["BLOCK_N"]), _rows_descriptor(v, config["BLOCK_N"]),
+        _rows_descriptor(k, config["BLOCK_N"]), desc_v,
         _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(v, config["BLOCK_N"] // 2),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if selection is None else selection.blocks,
         None if selection is None else selection.counts,
         0 if selection is None else selection.row_blocks,
         out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,
-        0 if window is None else window, q_heads // kv_heads, sm_scale * LOG2E.value,
+        0 if window is None else window, q_heads // kv_heads,
+        sm_scale * q_descale * k_descale * LOG2E.value, float(v_descale),
         num_warps=PRODUCER_WARPS, num_stages=1, **config)
     return out, lse
