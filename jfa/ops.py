@@ -78,6 +78,11 @@ def _why_not_kernel(module_name: str, q: Tensor, *others: Tensor, dtypes=specs.S
     return None
 
 
+def _kernel_offsets(q: Tensor, q_offsets: Tensor, kv_offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """The offsets as the kernels read them: int32 on q's device (copied without a host wait)."""
+    return tuple(o.to(device=q.device, dtype=torch.int32, non_blocking=True) for o in (q_offsets, kv_offsets))
+
+
 def backend_for(q: Tensor) -> str:
     """What `jagged_attention` forward runs for q: "tlx-sm90" or "reference (why)"."""
     why = _why_not_kernel("jagged_fwd", q)
@@ -131,8 +136,7 @@ def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
     module, _ = _load_kernel_module("jagged_fwd")
     # Read the bounds before moving the offsets: offsets kept on the CPU need no sync for this.
     max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
-    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
-                             for o in (q_offsets, kv_offsets))
+    q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
     return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal,
                                        _window_or_none(window), broadcast_q)
 
@@ -179,8 +183,7 @@ def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offset
         return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
     module, _ = _load_kernel_module("jagged_bwd")
     max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
-    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
-                             for o in (q_offsets, kv_offsets))
+    q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
     return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
                                        causal, _window_or_none(window), broadcast_q, deterministic=deterministic)
 

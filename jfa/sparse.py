@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from jfa import jagged, reference, specs
-from jfa.ops import _load_kernel_module, _warn_once, _why_not_kernel
+from jfa.ops import _kernel_offsets, _load_kernel_module, _warn_once, _why_not_kernel
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_fwd", "block_sparse_attention_bwd",
            "validate_block_sparse_attention",
@@ -157,9 +157,7 @@ def _block_sparse_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, kv_block_id
         _warn_once(f"block-sparse: {why}")
         return _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
     module, _ = _load_kernel_module("jagged_fwd")
-    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
-                             for o in (q_offsets, kv_offsets))
-    selection = canonical_selection(kv_block_idx.to(q.device, non_blocking=True), kv_offsets, block_n)
+    q_offsets, kv_offsets, selection = _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n)
     return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
                                        causal, None, False, selection=selection)
 
@@ -176,6 +174,13 @@ def _why_not_sparse_kernel(module_name: str, block_m: int, block_n: int, *tensor
         why = (f"block-sparse blocks of {block_m}x{block_n}: the kernels' query and key tiles are "
                f"{specs.BLOCK_SPARSE_BLOCK}x{specs.BLOCK_SPARSE_BLOCK}")
     return why
+
+
+def _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n):
+    """(q_offsets, kv_offsets, selection) as both kernels read them, on q's device, without a host wait."""
+    q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
+    selection = canonical_selection(kv_block_idx.to(q.device, non_blocking=True), kv_offsets, block_n)
+    return q_offsets, kv_offsets, selection
 
 
 def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal):
@@ -204,9 +209,7 @@ def _block_sparse_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_
         return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale,
                               causal)
     module, _ = _load_kernel_module("jagged_bwd")
-    q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
-                             for o in (q_offsets, kv_offsets))
-    selection = canonical_selection(kv_block_idx.to(q.device, non_blocking=True), kv_offsets, block_n)
+    q_offsets, kv_offsets, selection = _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n)
     return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q,
                                        max_seq_len_kv, sm_scale, causal, None, False, selection=selection)
 

@@ -15,16 +15,13 @@ from jfa import reference, specs
 from jfa.kernels import jagged_bwd, jagged_fwd
 from jfa.ops import ReferenceFallbackWarning
 from jfa.sparse import canonical_selection
+from tests.gpu.test_jagged_fwd import offsets
 
 pytestmark = pytest.mark.gpu
 
 BLOCK = specs.BLOCK_SPARSE_BLOCK
 GUARD_ROWS = 5
 EDGE_LENGTHS = [0, 1, 127, 128, 129, 255, 256, 257, 511, 640, 1000]
-
-
-def offsets(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
 def raw_selection(lengths, heads, max_sel, seed, empty_rows=0.1):
