@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from jfa import jagged, reference
-from jfa.ops import _load_kernel_module, _warn_once, _why_not_kernel
+from jfa.ops import _kernel_offsets, _load_kernel_module, _warn_once, _why_not_kernel
 
 __all__ = ["jagged_attention_fp8"]
 
@@ -51,8 +51,7 @@ def jagged_attention_fp8(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_
     why = _why_not_kernel("jagged_fwd", q, k, v, dtypes=jagged.FP8_DTYPES)
     if why is None:
         module, _ = _load_kernel_module("jagged_fwd")
-        q_offsets, kv_offsets = (o.to(device=q.device, dtype=torch.int32, non_blocking=True)
-                                 for o in (q_offsets, kv_offsets))
+        q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
         out, lse = module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, problem.max_seq_len_q,
                                                problem.max_seq_len_kv, problem.sm_scale, causal, window, broadcast_q,
                                                descale=scales)

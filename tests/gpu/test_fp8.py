@@ -12,6 +12,7 @@ import jfa
 from jfa import reference, specs
 from jfa.kernels import jagged_fwd
 from jfa.ops import ReferenceFallbackWarning
+from tests.gpu.test_jagged_fwd import offsets
 
 pytestmark = pytest.mark.gpu
 
@@ -19,10 +20,6 @@ FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 GUARD_ROWS = 5
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 257, 509, 1000]
-
-
-def offsets(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
 def quantize(x):
