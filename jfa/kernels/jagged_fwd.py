@@ -94,6 +94,8 @@ TUNING = {
 # compiled in.
 HALF_TAIL_MAX_KV_LEN = 256
 ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer
+# FP8's transposed V starts every sequence on a TMA-aligned column: 16 bytes are 16 one-byte keys.
+V_T_ALIGN_KEYS: tl.constexpr = tl.constexpr(specs.TMA_ALIGN_BYTES)
 
 
 @triton.jit
@@ -111,11 +113,13 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
                    num_q_heads, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr,
-                   HALF_TAIL: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
+                   HALF_TAIL: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr,
+                   FP8: tl.constexpr = False):
     """Decode tile id -> where its rows are and which key tiles it visits.
 
-    Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, selected,
-    num_kv_tiles, bulk_lo, bulk_hi, half_tail). Key tiles are numbered n = 0..num_kv_tiles-1 and
+    Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len, first_col,
+    selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail). `v_start` is where the keys start in V's
+    layout: kv_start, or with FP8 (V transposed) `transposed_value_col(kv_start, seq)`. Key tiles are numbered n = 0..num_kv_tiles-1 and
     start at sequence-local column `_key_tile_col(n, ...)`: `first_col + n*BLOCK_N`, or with
     BLOCK_SPARSE the n-th selected block, read from `selected` (the tile's row of the selection); tiles
     bulk_lo <= n < bulk_hi need no mask (tile 0 is peeled and always masked, so bulk_lo >= 1).
@@ -173,8 +177,20 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
         bulk_lo = tl.minimum(bulk_lo, num_kv_tiles - half_tail)
         bulk_hi = tl.minimum(bulk_hi, num_kv_tiles - half_tail)
     q_row0 = q_start + row_lo
-    return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, selected,
-            num_kv_tiles, bulk_lo, bulk_hi, half_tail)
+    v_start = transposed_value_col(kv_start, seq) if FP8 else kv_start
+    return (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len, first_col,
+            selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail)
+
+
+@triton.jit
+def transposed_value_col(kv_start, seq):
+    """Column of sequence `seq`'s first key in FP8's transposed V (`transposed_values`).
+
+    The keys are V^T's innermost dimension there, and a TMA load whose innermost start coordinate
+    is not 16-byte aligned faults (illegal instruction on the H200), so every sequence starts on a
+    16-key boundary: its packed start rounded up, plus one 16-key gap per earlier sequence, which
+    keeps sequences from overlapping whatever their lengths."""
+    return tl.cdiv(kv_start, V_T_ALIGN_KEYS) * V_T_ALIGN_KEYS + seq * V_T_ALIGN_KEYS
 
 
 @triton.jit
@@ -217,15 +233,16 @@ def _load_ring_tiles(desc, tiles, fulls, empties, slot, phase, kv_row, head, gqa
 
 @triton.jit
 def _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties,
-                     kv_count, kv_row, head, gqa_group, HEAD_DIM: tl.constexpr,
+                     kv_count, kv_row, v_row, head, gqa_group, HEAD_DIM: tl.constexpr,
                      NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr,
                      FP8: tl.constexpr = False):
     """TMA-load the next KV tile (its first KEYS keys, `desc_k`/`desc_v` boxes of that many rows)
-    into the ring: K first, so QK^T can start while V lands. FP8: V comes transposed."""
+    into the ring: K first, so QK^T can start while V lands. `v_row`: the tile's first key in V's
+    layout (FP8: V comes transposed, its sequences 16-key aligned)."""
     slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
     _load_ring_tiles(desc_k, k_tiles, k_fulls, k_empties, slot, phase, kv_row, head, gqa_group,
                      HEAD_DIM, HEADS_PER_TILE, KEYS)
-    _load_ring_tiles(desc_v, v_tiles, v_fulls, v_empties, slot, phase, kv_row, head, gqa_group,
+    _load_ring_tiles(desc_v, v_tiles, v_fulls, v_empties, slot, phase, v_row, head, gqa_group,
                      HEAD_DIM, HEADS_PER_TILE, KEYS, FP8)
 
 
@@ -347,13 +364,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
             loop_start, loop_end, loop_step = _tile_loop(num_tiles, first_tile, tile_stride, ENTRY_MAJOR)
             for step in range(loop_start, loop_end, loop_step):
                 tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
-                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
-                 selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
+                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len,
+                 first_col, selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
                      tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
                      kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
-                     SEL_WIDTH)
+                     SEL_WIDTH, FP8)
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
                         q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
@@ -369,17 +386,17 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                         loaded_q_key = q_key
                     num_steps = num_kv_tiles - half_tail  # key tiles loaded whole
                     for n in range(num_steps):
-                        kv_row = kv_start + _key_tile_col(n, first_col, selected, BLOCK_N,
-                                                          BLOCK_SPARSE)
+                        key_col = _key_tile_col(n, first_col, selected, BLOCK_N, BLOCK_SPARSE)
                         _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties,
-                                         v_fulls, v_empties, kv_count, kv_row, head, gqa_group,
+                                         v_fulls, v_empties, kv_count, kv_start + key_col,
+                                         v_start + key_col, head, gqa_group,
                                          HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
                         kv_count += 1
                     if HALF_TAIL and half_tail:  # compiled only with HALF_TAIL
                         kv_row = kv_start + first_col + num_steps * BLOCK_N
                         _produce_kv_tile(desc_k_tail, desc_v_tail, k_tiles, v_tiles, k_fulls,
-                                         k_empties, v_fulls, v_empties, kv_count, kv_row, head,
-                                         gqa_group, HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE,
+                                         k_empties, v_fulls, v_empties, kv_count, kv_row, kv_row,
+                                         head, gqa_group, HEAD_DIM, NUM_KV_BUFFERS, HEADS_PER_TILE,
                                          BLOCK_N // 2)
                         kv_count += 1
 
@@ -394,13 +411,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
             loop_start, loop_end, loop_step = _tile_loop(num_tiles, first_tile, tile_stride, ENTRY_MAJOR)
             for step in range(loop_start, loop_end, loop_step):
                 tile = zigzag_tile(step, first_tile, tile_stride) if ENTRY_MAJOR else step
-                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col,
-                 selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
+                (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len,
+                 first_col, selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail) = _tile_geometry(
                      tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr,
                      kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
-                     SEL_WIDTH)
+                     SEL_WIDTH, FP8)
                 first_row = row_lo + cid * ROW_STEP
                 rows = first_row + tl.arange(0, ROWS)
                 my_head = head + cid * HEAD_STEP
@@ -594,12 +611,21 @@ def _rows_descriptor(t: torch.Tensor, box_rows: int) -> TensorDescriptor:
                             block_shape=[box_rows, dim])
 
 
-def transposed_values(v: torch.Tensor) -> torch.Tensor:
-    """FP8's V operand: `[Hkv*D, Tk_padded]`, keys contiguous (Tk padded to TMA's 16-byte stride)."""
+def transposed_values(v: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
+    """FP8's V operand: `[Hkv*D, columns]`, keys contiguous, every sequence starting on a 16-key
+    column (`transposed_value_col`; TMA faults on unaligned innermost starts). Built on v's device
+    from the offsets there, with no host sync; the gaps are zeros."""
     rows, heads, dim = v.shape
-    padded = triton.cdiv(max(rows, 1), specs.TMA_ALIGN_BYTES) * specs.TMA_ALIGN_BYTES
-    v_t = torch.zeros((heads * dim, padded), dtype=v.dtype, device=v.device)
-    v_t[:, :rows] = v.reshape(rows, heads * dim).t()
+    num_seqs = kv_offsets.numel() - 1
+    align = V_T_ALIGN_KEYS.value
+    width = triton.cdiv(max(rows, 1), align) * align + num_seqs * align
+    offsets = kv_offsets.to(device=v.device, dtype=torch.int64)
+    keys = torch.arange(rows, device=v.device)
+    seq = torch.searchsorted(offsets[1:], keys, right=True)
+    starts = offsets[seq]
+    cols = (starts + align - 1) // align * align + seq * align + (keys - starts)
+    v_t = torch.zeros((heads * dim, width), dtype=v.dtype, device=v.device)
+    v_t.index_copy_(1, cols, v.reshape(rows, heads * dim).t())
     return v_t
 
 
@@ -654,7 +680,7 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     max_tiles = schedule.max_entries * (q_heads // pairing)
     grid = (max(1, min(_num_sms(q.device), max_tiles)),)
     if fp8:
-        v_t = transposed_values(v)
+        v_t = transposed_values(v, kv_offsets)
         desc_v = TensorDescriptor(v_t, shape=list(v_t.shape), strides=[v_t.shape[1], 1],
                                   block_shape=[head_dim, config["BLOCK_N"]])
     else:
