@@ -625,7 +625,8 @@ def transposed_values(v: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor
     starts = offsets[seq]
     cols = (starts + align - 1) // align * align + seq * align + (keys - starts)
     v_t = torch.zeros((heads * dim, width), dtype=v.dtype, device=v.device)
-    v_t.index_copy_(1, cols, v.reshape(rows, heads * dim).t())
+    # as bytes: CUDA's index_copy has no float8 kernel
+    v_t.view(torch.uint8).index_copy_(1, cols, v.reshape(rows, heads * dim).t().view(torch.uint8))
     return v_t
 
 
