@@ -624,10 +624,11 @@ def transposed_values(v: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor
     seq = torch.searchsorted(offsets[1:], keys, right=True)
     starts = offsets[seq]
     cols = (starts + align - 1) // align * align + seq * align + (keys - starts)
-    v_t = torch.zeros((heads * dim, width), dtype=v.dtype, device=v.device)
-    # as bytes: CUDA's index_copy has no float8 kernel
-    v_t.view(torch.uint8).index_copy_(1, cols, v.reshape(rows, heads * dim).t().view(torch.uint8))
-    return v_t
+    # Rows are placed first (whole 512-byte rows: coalesced; a column scatter ran 10x slower on the
+    # H200), then one tiled transpose. As bytes: CUDA's index_copy has no float8 kernel.
+    spaced = torch.zeros((width, heads * dim), dtype=torch.uint8, device=v.device)
+    spaced.index_copy_(0, cols, v.reshape(rows, heads * dim).view(torch.uint8))
+    return spaced.t().contiguous().view(v.dtype)
 
 
 def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
