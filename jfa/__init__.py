@@ -9,12 +9,13 @@ from jfa import jagged, reference
 from jfa.ops import ReferenceFallbackWarning, backend_for, jagged_attention
 
 __all__ = ["__version__", "jagged", "reference", "jagged_attention", "backend_for", "ReferenceFallbackWarning",
-           "block_attention", "fused_projection_rotary_block_attention", "block_sparse_attention"]
+           "block_attention", "fused_projection_rotary_block_attention", "block_sparse_attention",
+           "jagged_attention_fp8"]
 
 # These modules register their own custom ops (block attention also imports its TLX kernels): each is
 # loaded on first use only.
 _LAZY_API = {"block_attention": "block", "fused_projection_rotary_block_attention": "block",
-             "block_sparse_attention": "sparse"}
+             "block_sparse_attention": "sparse", "jagged_attention_fp8": "fp8"}
 
 
 def __getattr__(name):

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 REFERENCE_DTYPES = (torch.float32, torch.float64)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # `jfa.jagged_attention_fp8`'s inputs
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
@@ -133,13 +134,16 @@ class JaggedProblem:
     out_rows: int
 
 
-def _check_tensor(name: str, t, for_kernel: bool) -> None:
+def _check_tensor(name: str, t, for_kernel: bool, fp8: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.ndim != 3:
         raise ValueError(f"{name}: expected 3 dims [rows, heads, head_dim], got shape {tuple(t.shape)}; "
                          "pack the sequences along dim 0")
-    allowed = specs.SUPPORTED_DTYPES if for_kernel else specs.SUPPORTED_DTYPES + REFERENCE_DTYPES
+    if fp8:
+        allowed = FP8_DTYPES
+    else:
+        allowed = specs.SUPPORTED_DTYPES if for_kernel else specs.SUPPORTED_DTYPES + REFERENCE_DTYPES
     if t.dtype not in allowed:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported here (allowed: {allowed}); convert with .to()")
     if not t.is_contiguous():
@@ -163,7 +167,7 @@ def _check_offsets(name: str, offsets, q: torch.Tensor) -> None:
 
 
 def check_jagged_tensors(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, window=None, broadcast_q=False,
-                         for_kernel: bool = False) -> None:
+                         for_kernel: bool = False, fp8: bool = False) -> None:
     """Every check that needs no offset values: types, shapes, dtypes, devices, layout, scalars.
 
     Safe under torch.compile (reads no tensor data). `for_kernel` restricts dtypes and head_dim to
@@ -171,7 +175,7 @@ def check_jagged_tensors(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, windo
     set (float32/float64, any head_dim) is accepted.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, for_kernel)
+        _check_tensor(name, t, for_kernel, fp8)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}; use one dtype for q, k, v")
@@ -239,14 +243,14 @@ def _max_len(name: str, given: int | None, values: list[int]) -> int:
 
 def validate_jagged_attention(q, k, v, q_offsets, kv_offsets, max_seq_len_q=None, max_seq_len_kv=None, *,
                               sm_scale=None, causal=False, window=None, broadcast_q=False,
-                              for_kernel: bool = False) -> JaggedProblem:
+                              for_kernel: bool = False, fp8: bool = False) -> JaggedProblem:
     """Check a jagged attention call and describe it; raises ValueError/TypeError naming the argument.
 
     Reads the offsets' values once (a device-to-host copy unless they are on the CPU already).
     See `check_jagged_tensors` for `for_kernel`.
     """
     check_jagged_tensors(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale, window=window,
-                         broadcast_q=broadcast_q, for_kernel=for_kernel)
+                         broadcast_q=broadcast_q, for_kernel=for_kernel, fp8=fp8)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     q_values = _offset_values("q_offsets", q_offsets, q.shape[0])

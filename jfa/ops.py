@@ -60,12 +60,12 @@ def _load_kernel_module(name: str):
         return None, f"jfa.kernels.{name} did not import ({type(exc).__name__}: {exc})"
 
 
-def _why_not_kernel(module_name: str, q: Tensor, *others: Tensor) -> str | None:
+def _why_not_kernel(module_name: str, q: Tensor, *others: Tensor, dtypes=specs.SUPPORTED_DTYPES) -> str | None:
     """None when the TLX kernel of `module_name` can run on q (and `others`), else the reason it cannot."""
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU"
-    if q.dtype not in specs.SUPPORTED_DTYPES:
-        return f"dtype {q.dtype} has no kernel (kernels take {specs.SUPPORTED_DTYPES})"
+    if q.dtype not in dtypes:
+        return f"dtype {q.dtype} has no kernel (kernels take {dtypes})"
     if q.shape[-1] not in specs.SUPPORTED_HEAD_DIMS:
         return f"head_dim {q.shape[-1]} has no kernel (kernels take {specs.SUPPORTED_HEAD_DIMS})"
     if any(t.data_ptr() % specs.TMA_ALIGN_BYTES for t in (q, *others)):

@@ -36,6 +36,10 @@ CONFIGS += [(128, BF16, False, None, False, 1, True), (128, BF16, False, None, T
 CONFIGS = [cfg + (0,) for cfg in CONFIGS]
 CONFIGS += [(128, BF16, False, None, False, 1, False, 16), (128, FP16, True, None, False, 1, False, 8),
             (64, BF16, True, None, False, 1, False, 32), (64, FP16, False, None, False, 1, False, 1)]
+# The FP8 fork (E4M3 inputs; one head per tile, no half tiles).
+FP8 = torch.float8_e4m3fn
+CONFIGS += [(128, FP8, False, None, False, 1, False, 0), (64, FP8, True, 32, False, 1, False, 0),
+            (128, FP8, False, None, True, 1, False, 0), (128, FP8, True, None, False, 1, False, 0)]
 
 
 def _config_id(cfg):
@@ -137,6 +141,16 @@ def test_bad_config_raises():
         jagged_fwd.kernel_config(128, torch.bfloat16, selection_width=12)
     with pytest.raises(ValueError, match="block-sparse"):
         jagged_fwd.kernel_config(128, torch.bfloat16, window=8, selection_width=16)
+    with pytest.raises(ValueError, match="FP8"):
+        jagged_fwd.kernel_config(128, FP8, heads_per_tile=2)
+
+
+def test_fp8_fork_multiplies_in_fp8(compiled):
+    """Both GEMMs of the FP8 fork are E4M3 wgmma (QK^T and P·V), never a bf16 one."""
+    for cfg in (c for c in CONFIGS if c[1] == FP8):
+        ptx = compiled[cfg]["ptx"]
+        assert _count(ptx, "wgmma.mma_async.sync.aligned") == _count(ptx, "wgmma.mma_async.sync.aligned.m64"), cfg
+        assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx) and not re.search(r"wgmma\.mma_async\S*bf16", ptx), cfg
 
 
 def test_short_queries_pair_heads():

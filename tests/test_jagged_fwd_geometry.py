@@ -41,7 +41,9 @@ LENGTH_EDGES = (0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257)
 WINDOWS = (None, 0, 37, 64, 200)
 CASES = 150
 SPARSE_CASES = 60
+FP8_CASES = 40
 INTERPRETER_TIMEOUT_S = 240
+GEOMETRY_FIELDS = 6  # what _geometry_probe stores per tile
 
 
 @triton.jit
@@ -49,39 +51,40 @@ def _geometry_probe(out_ptr, tile_entries_ptr, num_entries, q_offsets_ptr, kv_of
                     kv_blocks_ptr, kv_block_counts_ptr, q_blocks_per_seq, broadcast_q_len, window,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, HALF_TAIL: tl.constexpr,
-                    BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
+                    BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, FP8: tl.constexpr):
     """One program per tile (one query head, one head per tile, head-major): store its geometry,
-    (first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail)."""
+    (first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail, v_start)."""
     tile = tl.program_id(0)
-    (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, kv_len, first_col, selected,
+    (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len, first_col, selected,
      num_kv_tiles, bulk_lo, bulk_hi, half_tail) = jagged_fwd._tile_geometry(
          tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offsets_ptr, kv_blocks_ptr,
          kv_block_counts_ptr, q_blocks_per_seq, 1, q_blocks_per_seq, broadcast_q_len, window, BLOCK_M,
-         BLOCK_N, 1, CAUSAL, HAS_WINDOW, BROADCAST_Q, False, HALF_TAIL, BLOCK_SPARSE, SEL_WIDTH)
-    base = out_ptr + tile * 5
+         BLOCK_N, 1, CAUSAL, HAS_WINDOW, BROADCAST_Q, False, HALF_TAIL, BLOCK_SPARSE, SEL_WIDTH, FP8)
+    base = out_ptr + tile * GEOMETRY_FIELDS
     tl.store(base, first_col)
     tl.store(base + 1, num_kv_tiles)
     tl.store(base + 2, bulk_lo)
     tl.store(base + 3, bulk_hi)
     tl.store(base + 4, half_tail)
+    tl.store(base + 5, v_start)
 
 
-def _geometry(q_lens, kv_lens, broadcast_q_len, causal, window, half_tail, selection=None):
+def _geometry(q_lens, kv_lens, broadcast_q_len, causal, window, half_tail, selection=None, fp8=False):
     """(entries, geometry): every (sequence, query block) tile and its `_geometry_probe` row."""
     blocks = max(1, -(-max(q_lens) // BLOCK_M))
     entries = [(seq, block) for seq in range(len(kv_lens)) for block in range(blocks)]
-    out = torch.full((len(entries), 5), -99, dtype=torch.int32)
+    out = torch.full((len(entries), GEOMETRY_FIELDS), -99, dtype=torch.int32)
     _geometry_probe[(len(entries),)](
         out, torch.arange(len(entries), dtype=torch.int32), len(entries), lengths_to_offsets(q_lens),
         lengths_to_offsets(kv_lens), None if selection is None else selection.blocks,
         None if selection is None else selection.counts, blocks, broadcast_q_len,
         0 if window is None else window, BLOCK_M, BLOCK_N, causal, window is not None, broadcast_q_len > 0,
-        half_tail, selection is not None, 1 if selection is None else selection.width)
+        half_tail, selection is not None, 1 if selection is None else selection.width, fp8)
     return entries, out
 
 
 def _check_tile(q_len, kv_len, block, geometry, causal, window, half_tail_on, where):
-    first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail = geometry
+    first_col, num_kv_tiles, bulk_lo, bulk_hi, half_tail, _ = geometry
     rows = slice(block * BLOCK_M, min((block + 1) * BLOCK_M, q_len))
     if rows.start >= q_len:
         return  # a block past the sequence end: the kernel stores nothing for it
@@ -140,7 +143,7 @@ def check_sparse_geometry(cases: int, seed: int) -> int:
         raw = torch.randint(-1, q_blocks + 2, (batch, 1, q_blocks, picks), generator=gen, dtype=torch.int32)
         selection = canonical_selection(raw, lengths_to_offsets(lengths), BLOCK_N)
         entries, out = _geometry(lengths, lengths, 0, causal, None, False, selection)
-        for (seq, block), (_, num_kv_tiles, bulk_lo, bulk_hi, _) in zip(entries, out.tolist()):
+        for (seq, block), (_, num_kv_tiles, bulk_lo, bulk_hi, _, _) in zip(entries, out.tolist()):
             rows = slice(block * BLOCK_M, min((block + 1) * BLOCK_M, lengths[seq]))
             if rows.start >= lengths[seq]:
                 continue
@@ -158,6 +161,30 @@ def check_sparse_geometry(cases: int, seed: int) -> int:
     return cases
 
 
+def check_fp8_value_columns(cases: int, seed: int) -> int:
+    """Run in the interpreter subprocess: FP8's transposed V (`transposed_values`, host) puts each
+    sequence's keys exactly where the kernel's geometry (`v_start`) will load them, every start on a
+    16-key column (TMA faults on unaligned innermost starts), and nothing else but zero gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(cases):
+        lengths = random_lengths(gen, int(torch.randint(1, 7, (), generator=gen)), 300, LENGTH_EDGES)
+        offsets = lengths_to_offsets(lengths)
+        # E4M3 as the kernel takes it, with no zeros so that the gaps are told apart
+        v = torch.randn(sum(lengths), 2, 16, generator=gen).abs_().add_(1).to(jagged_fwd.FP8_DTYPE)
+        v_t = jagged_fwd.transposed_values(v, offsets).float()
+        v = v.float()
+        entries, out = _geometry(lengths, lengths, 0, False, None, False, fp8=True)
+        placed = 0
+        for (seq, block), geometry in zip(entries, out.tolist()):
+            v_start, start, length = geometry[-1], int(offsets[seq]), lengths[seq]
+            where = dict(case=case, seq=seq, lengths=lengths, v_start=v_start)
+            assert v_start % jagged_fwd.V_T_ALIGN_KEYS.value == 0, where
+            assert torch.equal(v_t[:, v_start:v_start + length], v[start:start + length].reshape(length, -1).t()), where
+            placed += length * v_t.shape[0] if block == 0 else 0
+        assert int((v_t != 0).sum()) == placed, (case, lengths)
+    return cases
+
+
 def _run_in_interpreter(call: str, expected: str):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
     code = f"from tests.test_jagged_fwd_geometry import *; print({call})"
@@ -172,3 +199,7 @@ def test_tile_geometry_matches_the_masks_in_the_interpreter():
 
 def test_block_sparse_geometry_matches_the_masks_in_the_interpreter():
     _run_in_interpreter(f"'checked', check_sparse_geometry({SPARSE_CASES}, 11)", f"checked {SPARSE_CASES}")
+
+
+def test_fp8_transposed_values_sit_where_the_kernel_loads_them():
+    _run_in_interpreter(f"'checked', check_fp8_value_columns({FP8_CASES}, 13)", f"checked {FP8_CASES}")

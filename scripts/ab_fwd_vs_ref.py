@@ -1,0 +1,73 @@
+"""This tree's jagged forward against another version of `jfa/kernels/jagged_fwd.py`, timed in one
+process in rounds that alternate which goes first (the H200's clock moves with its power cap, so
+only same-process alternation compares fairly). Inputs, the fp32 reference check and FLOP counts
+are the benchmark harness's (`jfa.bench`); the two versions' outputs are also compared.
+
+    git show main:jfa/kernels/jagged_fwd.py > /tmp/jagged_fwd_ref.py
+    python scripts/ab_fwd_vs_ref.py /tmp/jagged_fwd_ref.py OUT.json [--rounds N]   (GPU host, .gpu-bundle)
+"""
+import argparse
+import importlib.util
+import json
+
+import torch
+
+from jfa import bench, envinfo, specs
+from jfa.kernels import jagged_fwd
+
+DEVICE = "cuda"
+SUITES = ("pma", "gem", "dense")
+
+
+def load_reference(path: str):
+    spec = importlib.util.spec_from_file_location("jagged_fwd_ref", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_case(case, versions, rounds):
+    problem = bench.make_problem(case, DEVICE, 0)
+    q, k, v = (t.detach() for t in (problem.q, problem.k, problem.v))
+    args = (problem.q_offsets, problem.kv_offsets, problem.max_q, problem.max_kv, None, False, None,
+            problem.kind == "pma")
+    result = dict(case=f"{case['suite']} {case['case']}", ms={}, relerr_vs_ref={})
+    outputs = {}
+    for r in range(rounds):
+        for name in (list(versions) if r % 2 == 0 else list(versions)[::-1]):
+            module = versions[name]
+            if r == 0:
+                outputs[name], _ = module.jagged_attention_fwd(q, k, v, *args)
+                result["relerr_vs_ref"][name] = bench.check_output(problem, outputs[name])["rel_err"]
+            result["ms"].setdefault(name, []).append(
+                bench.do_bench_median(lambda: module.jagged_attention_fwd(q, k, v, *args), []))
+    result["max_abs_diff"] = float((outputs["this"].float() - outputs["ref"].float()).abs().max())
+    flops = bench.case_flops(case, problem, "fwd")
+    result["tflops_median"] = {name: flops / sorted(t)[len(t) // 2] / 1e9 for name, t in result["ms"].items()}
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reference", help="a copy of another version's jfa/kernels/jagged_fwd.py")
+    parser.add_argument("out")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    versions = {"this": jagged_fwd, "ref": load_reference(args.reference)}
+    rows = []
+    for suite in SUITES:
+        for case in specs.BENCH_SUITES[suite]:
+            row = run_case(case, versions, args.rounds)
+            ratio = row["tflops_median"]["this"] / row["tflops_median"]["ref"]
+            print(f"{row['case']:<32} this {row['tflops_median']['this']:6.1f}  ref {row['tflops_median']['ref']:6.1f}"
+                  f"  x{ratio:.3f}  relerr {row['relerr_vs_ref']}  diff {row['max_abs_diff']:.2e}", flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    doc = dict(kind="same-process A/B of the jagged forward against another version", reference=args.reference,
+               env=envinfo.environment(), rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The FP8 fork of the jagged forward on a Hopper GPU, against the fp32 reference on the same
+(already quantized) inputs, measured as the MXFP8 work measures it: cosine similarity and SQNR
+(`specs.MXFP8_MIN_COSINE`, `specs.MXFP8_MIN_SQNR_DB`). Outputs are NaN-poisoned views inside guard
+rows: every valid row must be written, nothing around it."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import jfa
+from jfa import reference, specs
+from jfa.kernels import jagged_fwd
+from jfa.ops import ReferenceFallbackWarning
+from tests.gpu.test_jagged_fwd import offsets
+
+pytestmark = pytest.mark.gpu
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+GUARD_ROWS = 5
+EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 257, 509, 1000]
+
+
+def quantize(x):
+    """Per-tensor E4M3: (stored, scale) with x ~= stored * scale."""
+    scale = x.abs().max().clamp_min(1e-12) / E4M3_MAX
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), float(scale)
+
+
+def agreement(got, want):
+    """(cosine similarity, SQNR in dB) of two tensors, over every element."""
+    got, want = got.double().flatten(), want.double().flatten()
+    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
+    sqnr = 10 * math.log10(float(want.square().sum() / (got - want).square().sum().clamp_min(1e-30)))
+    return cosine, sqnr
+
+
+def run_case(lengths, *, heads_q=4, heads_kv=4, head_dim=128, causal=False, window=None, seed=0, magnitude=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = sum(lengths)
+    (q, q_s), (k, k_s), (v, v_s) = (
+        quantize(torch.randn(rows, heads, head_dim, device="cuda", generator=gen) * magnitude)
+        for heads in (heads_q, heads_kv, heads_kv))
+    off = offsets(lengths)
+    out_buf = torch.full((rows + 2 * GUARD_ROWS, heads_q, head_dim), float("nan"), device="cuda",
+                         dtype=jagged_fwd.FP8_OUT_DTYPE)
+    lse_buf = torch.full((heads_q, rows + 2 * GUARD_ROWS), float("nan"), device="cuda")
+    out_view, lse_view = out_buf[GUARD_ROWS:GUARD_ROWS + rows], lse_buf[:, GUARD_ROWS:GUARD_ROWS + rows]
+    longest = max(lengths)
+    out, lse = jagged_fwd.jagged_attention_fwd(q, k, v, off, off, longest, longest, None, causal, window, False,
+                                               out=out_view, lse=lse_view, descale=(q_s, k_s, v_s))
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.jagged_attention_ref(q.float() * q_s, k.float() * k_s, v.float() * v_s, off, off,
+                                                  causal=causal, window=window)
+    assert torch.isnan(out_buf[:GUARD_ROWS]).all() and torch.isnan(out_buf[-GUARD_ROWS:]).all()
+    assert torch.isnan(lse_buf[:, :GUARD_ROWS]).all() and torch.isnan(lse_buf[:, -GUARD_ROWS:]).all()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "rows left unwritten (still NaN)"
+    cosine, sqnr = agreement(out.float(), ref)
+    assert cosine >= specs.MXFP8_MIN_COSINE and sqnr >= specs.MXFP8_MIN_SQNR_DB, (cosine, sqnr)
+    # The LSE sees the same scores up to FP8 rounding of q and k (not of P): close, not equal.
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=0.1, rtol=0.02)
+    return cosine, sqnr
+
+
+@pytest.mark.parametrize("head_dim", specs.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_edge_lengths(head_dim, causal):
+    run_case(EDGE_LENGTHS, head_dim=head_dim, causal=causal)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_gqa_and_window(group):
+    run_case([300, 1, 2048, 129], heads_q=8, heads_kv=8 // group, window=100, seed=group)
+
+
+def test_large_logits_stay_in_range():
+    """x30 activations: the rescale keeps P within E4M3's range (no inf/NaN from P's quantization)."""
+    run_case([700, 129], magnitude=30.0, causal=True, seed=3)
+
+
+def test_public_api_runs_the_kernel():
+    lengths = [300, 64, 513]
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", generator=gen).to(FP8) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceFallbackWarning)  # a fallback fails the test
+        out = jfa.jagged_attention_fp8(q, k, v, offsets(lengths), offsets(lengths), causal=True)
+    ref, _ = reference.jagged_attention_ref(q.float(), k.float(), v.float(), offsets(lengths), offsets(lengths),
+                                            causal=True)
+    cosine, sqnr = agreement(out.float(), ref)
+    assert out.dtype == torch.bfloat16 and cosine >= specs.MXFP8_MIN_COSINE and sqnr >= specs.MXFP8_MIN_SQNR_DB
+

@@ -1,0 +1,44 @@
+"""`jfa.jagged_attention_fp8` on the CPU: argument checks and the reference path on dequantized inputs
+(the kernel itself: tests/gpu/test_fp8.py; its compile: tests/test_jagged_fwd_compile.py)."""
+import pytest
+import torch
+
+import jfa
+from jfa import ops, reference
+from jfa.jagged import lengths_to_offsets
+from jfa.ops import ReferenceFallbackWarning
+
+LENGTHS = [100, 0, 257, 1]
+
+
+def inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(sum(LENGTHS), 4, 64, generator=gen).to(torch.float8_e4m3fn) for _ in range(3)]
+
+
+def test_cpu_runs_the_reference_on_dequantized_inputs(monkeypatch):
+    monkeypatch.setattr(ops, "_warned_reasons", set())
+    q, k, v = inputs()
+    off = lengths_to_offsets(LENGTHS)
+    with pytest.warns(ReferenceFallbackWarning, match="FP8"):
+        out, lse = jfa.jagged_attention_fp8(q, k, v, off, off, q_scale=0.5, v_scale=2.0, causal=True,
+                                            return_lse=True)
+    ref, ref_lse = reference.jagged_attention_ref(q.float() * 0.5, k.float(), v.float() * 2.0, off, off, causal=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref.to(torch.bfloat16), atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(q=torch.zeros(358, 4, 64)), TypeError, "q: dtype torch.float32"),
+    (dict(v_scale=0.0), ValueError, "v_scale: must be finite and > 0"),
+    (dict(k_scale="1"), TypeError, "k_scale: expected a float"),
+    (dict(q_scale=float("nan")), ValueError, "q_scale"),
+])
+def test_bad_arguments_name_themselves(change, error, match):
+    q, k, v = inputs()
+    off = lengths_to_offsets(LENGTHS)
+    call = dict(q=q, q_scale=1.0, k_scale=1.0, v_scale=1.0) | change
+    with pytest.raises(error, match=match):
+        jfa.jagged_attention_fp8(call["q"], k, v, off, off, q_scale=call["q_scale"], k_scale=call["k_scale"],
+                                 v_scale=call["v_scale"])
