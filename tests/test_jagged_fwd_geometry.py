@@ -173,7 +173,9 @@ def check_fp8_value_columns(cases: int, seed: int) -> int:
         v = torch.randn(sum(lengths), 2, 16, generator=gen).abs_().add_(1).to(jagged_fwd.FP8_DTYPE)
         v_t = jagged_fwd.transposed_values(v, offsets).float()
         v = v.float()
-        entries, out = _geometry(lengths, lengths, 0, False, None, False, fp8=True)
+        broadcast_q_len = 64 if case % 2 else 0  # PMA: the sequence index is the key batch's
+        q_lens = [broadcast_q_len] * len(lengths) if broadcast_q_len else lengths
+        entries, out = _geometry(q_lens, lengths, broadcast_q_len, False, None, False, fp8=True)
         placed = 0
         for (seq, block), geometry in zip(entries, out.tolist()):
             v_start, start, length = geometry[-1], int(offsets[seq]), lengths[seq]

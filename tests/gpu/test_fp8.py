@@ -36,23 +36,31 @@ def agreement(got, want):
     return cosine, sqnr
 
 
-def run_case(lengths, *, heads_q=4, heads_kv=4, head_dim=128, causal=False, window=None, seed=0, magnitude=1.0):
+def run_case(lengths, *, heads_q=4, heads_kv=4, head_dim=128, causal=False, window=None, seed=0, magnitude=1.0,
+             broadcast_q_len=None):
+    """`lengths`: the sequences' key (and query) lengths; with `broadcast_q_len` one shared query of
+    that many rows attends to every key sequence (PMA)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = sum(lengths)
+    q_rows = rows if broadcast_q_len is None else broadcast_q_len
     (q, q_s), (k, k_s), (v, v_s) = (
-        quantize(torch.randn(rows, heads, head_dim, device="cuda", generator=gen) * magnitude)
-        for heads in (heads_q, heads_kv, heads_kv))
+        quantize(torch.randn(n, heads, head_dim, device="cuda", generator=gen) * magnitude)
+        for n, heads in ((q_rows, heads_q), (rows, heads_kv), (rows, heads_kv)))
     off = offsets(lengths)
-    out_buf = torch.full((rows + 2 * GUARD_ROWS, heads_q, head_dim), float("nan"), device="cuda",
+    q_off = off if broadcast_q_len is None else offsets([broadcast_q_len])
+    out_rows = rows if broadcast_q_len is None else broadcast_q_len * len(lengths)
+    out_buf = torch.full((out_rows + 2 * GUARD_ROWS, heads_q, head_dim), float("nan"), device="cuda",
                          dtype=jagged_fwd.FP8_OUT_DTYPE)
-    lse_buf = torch.full((heads_q, rows + 2 * GUARD_ROWS), float("nan"), device="cuda")
-    out_view, lse_view = out_buf[GUARD_ROWS:GUARD_ROWS + rows], lse_buf[:, GUARD_ROWS:GUARD_ROWS + rows]
+    lse_buf = torch.full((heads_q, out_rows + 2 * GUARD_ROWS), float("nan"), device="cuda")
+    out_view, lse_view = out_buf[GUARD_ROWS:GUARD_ROWS + out_rows], lse_buf[:, GUARD_ROWS:GUARD_ROWS + out_rows]
     longest = max(lengths)
-    out, lse = jagged_fwd.jagged_attention_fwd(q, k, v, off, off, longest, longest, None, causal, window, False,
+    out, lse = jagged_fwd.jagged_attention_fwd(q, k, v, q_off, off, q_rows if broadcast_q_len else longest, longest,
+                                               None, causal, window, broadcast_q_len is not None,
                                                out=out_view, lse=lse_view, descale=(q_s, k_s, v_s))
     torch.cuda.synchronize()
-    ref, ref_lse = reference.jagged_attention_ref(q.float() * q_s, k.float() * k_s, v.float() * v_s, off, off,
-                                                  causal=causal, window=window)
+    ref, ref_lse = reference.jagged_attention_ref(q.float() * q_s, k.float() * k_s, v.float() * v_s, q_off, off,
+                                                  causal=causal, window=window,
+                                                  broadcast_q=broadcast_q_len is not None)
     assert torch.isnan(out_buf[:GUARD_ROWS]).all() and torch.isnan(out_buf[-GUARD_ROWS:]).all()
     assert torch.isnan(lse_buf[:, :GUARD_ROWS]).all() and torch.isnan(lse_buf[:, -GUARD_ROWS:]).all()
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "rows left unwritten (still NaN)"
@@ -74,6 +82,12 @@ def test_edge_lengths(head_dim, causal):
 @pytest.mark.parametrize("group", [2, 4])
 def test_gqa_and_window(group):
     run_case([300, 1, 2048, 129], heads_q=8, heads_kv=8 // group, window=100, seed=group)
+
+
+@pytest.mark.parametrize("q_len", [1, 64, 256])
+def test_broadcast_q(q_len):
+    """PMA: one shared query against key sequences that start at unaligned keys (V^T's columns)."""
+    run_case([0, 1, 37, 300, 129, 2048, 1023, 65], broadcast_q_len=q_len, seed=q_len)
 
 
 def test_large_logits_stay_in_range():
