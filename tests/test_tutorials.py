@@ -2,6 +2,7 @@
 import importlib
 import inspect as pyinspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from jfa.inspect import inspect
+from jfa.inspect import compile_spec, inspect
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIALS = ["t01_ws_producer_consumer", "t02_pipelined_ring", "t03_ws_wgmma_gemm",
-             "t04_attention_pingpong", "t05_blackwell_tmem_gemm"]
+             "t04_attention_pingpong", "t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem"]
+BLACKWELL_TUTORIALS = ["t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem"]
 MAX_LINES = 220  # a tutorial is read top to bottom in one sitting
 
 # (tutorial, config) pairs that must compile: the defaults plus the variants each lesson compares.
@@ -38,8 +40,17 @@ def test_compiles_for_its_target(name, cfg):
     assert report.shared_bytes > 0
 
 
-def test_blackwell_tutorial_targets_sm100():
-    assert load("t05_blackwell_tmem_gemm").inspect_spec().target == "sm_100"
+@pytest.mark.parametrize("name", BLACKWELL_TUTORIALS)
+def test_blackwell_tutorials_target_sm100(name):
+    assert load(name).inspect_spec().target == "sm_100"
+
+
+def test_blackwell_attention_keeps_s_p_and_o_in_tensor_memory():
+    """t06: both GEMMs are tcgen05 MMAs into TMEM, and P·V reads its A operand (P) from TMEM too."""
+    ptx = compile_spec(load("t06_blackwell_attention_tmem").inspect_spec(), "sm_100").asm["ptx"]
+    mmas = re.findall(r"tcgen05\.mma\.\S+\s+\[[^\]]+\],\s*(\S)", ptx)
+    assert "[" in mmas and "%" in mmas, mmas  # A from TMEM ([addr]) for P·V, a descriptor for QK^T
+    assert "wgmma" not in ptx and re.search(r"tcgen05\.st\.", ptx) and re.search(r"tcgen05\.ld\.", ptx)
 
 
 @pytest.mark.parametrize("name", TUTORIALS)
@@ -62,9 +73,10 @@ def test_module_main_prints_the_report_on_cpu():
     assert "producer" in result.stdout and "GPU check skipped" in result.stdout
 
 
-def test_blackwell_run_check_refuses_politely_off_blackwell():
+@pytest.mark.parametrize("name", BLACKWELL_TUTORIALS)
+def test_blackwell_run_check_refuses_politely_off_blackwell(name):
     with pytest.raises(RuntimeError, match="compiled, not run here"):
-        load("t05_blackwell_tmem_gemm").run_check()
+        load(name).run_check()
 
 
 def test_host_wrappers_reject_bad_input_before_launch():
@@ -78,3 +90,5 @@ def test_host_wrappers_reject_bad_input_before_launch():
     q = torch.zeros(2, 100, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="multiple of"):
         t04.attention_fwd(q, q, q)
+    with pytest.raises(ValueError, match="multiple of"):
+        load("t06_blackwell_attention_tmem").tmem_attention(q, q, q)

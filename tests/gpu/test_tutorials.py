@@ -14,11 +14,11 @@ def test_run_check_passes_on_hopper(name):
 
 
 @pytest.mark.gpu
-def test_blackwell_tutorial_gives_a_reason_instead_of_running():
+@pytest.mark.parametrize("name", ["t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem"])
+def test_blackwell_tutorial_gives_a_reason_instead_of_running(name):
     from tutorials import blackwell_tlx_available
-    from tutorials.t05_blackwell_tmem_gemm import run_check
 
     ready, why = blackwell_tlx_available()
     assert not ready and "sm_90" in why  # the GPU host is an H200
     with pytest.raises(RuntimeError, match="compiled, not run here"):
-        run_check()
+        importlib.import_module(f"tutorials.{name}").run_check()
