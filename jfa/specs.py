@@ -27,6 +27,7 @@ ROTARY_FWD_SNR_DB = 35.0
 ROTARY_GRAD_SNR_DB = 20.0
 MXFP8_MIN_COSINE = 0.97
 MXFP8_MIN_SQNR_DB = 8.0
+FP8_OUT_DTYPE = torch.bfloat16  # the FP8 fork's output (E4M3 inputs; LSE stays fp32)
 
 # ---- FLOP formulas ----------------------------------------------------------------------------
 BWD_FLOP_FACTOR = 2.5  # backward = 2.5x forward (two GEMMs forward, five backward)

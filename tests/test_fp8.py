@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import jfa
-from jfa import ops, reference
+from jfa import fp8, ops, reference
 from jfa.jagged import lengths_to_offsets
 from jfa.ops import ReferenceFallbackWarning
 
@@ -42,3 +42,25 @@ def test_bad_arguments_name_themselves(change, error, match):
     with pytest.raises(error, match=match):
         jfa.jagged_attention_fp8(call["q"], k, v, off, off, q_scale=call["q_scale"], k_scale=call["k_scale"],
                                  v_scale=call["v_scale"])
+
+
+@pytest.mark.parametrize("broadcast_q", [False, True], ids=["self", "broadcast_q"])
+def test_custom_op_passes_opcheck_and_compiles_with_fullgraph(broadcast_q):
+    """`jfa::jagged_attention_fp8_fwd`: schema, fake (meta) shapes and torch.compile(fullgraph=True)
+    agree with eager (on the CPU its implementation is the reference)."""
+    q, k, v = inputs()
+    off = lengths_to_offsets(LENGTHS)
+    if broadcast_q:
+        q = q[:64].clone()
+    q_off = lengths_to_offsets([64]) if broadcast_q else off
+    args = (q, k, v, q_off, off, 64 if broadcast_q else 257, 257, 0.125, 0.5, 1.0, 2.0, not broadcast_q,
+            None, broadcast_q)
+    # Not "test_schema": its mutation check multiplies the inputs, which CPU float8 cannot.
+    torch.library.opcheck(fp8.jagged_attention_fp8_fwd, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    eager = fp8.jagged_attention_fp8_fwd(*args)
+    compiled = torch.compile(fp8.jagged_attention_fp8_fwd, fullgraph=True, backend="eager")(*args)
+    rows = 64 * (len(LENGTHS)) if broadcast_q else sum(LENGTHS)
+    assert eager[0].shape == (rows, 4, 64) and eager[0].dtype == torch.bfloat16 and eager[1].shape == (4, rows)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

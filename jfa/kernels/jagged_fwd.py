@@ -515,7 +515,7 @@ _SIGNATURE_AFTER_OUT = dict(
     gqa_group="i32", qk_scale_log2="fp32", v_descale="fp32")
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_OUT_DTYPE = torch.bfloat16  # FP8 inputs, bf16 output (and fp32 LSE)
+FP8_OUT_DTYPE = specs.FP8_OUT_DTYPE
 
 
 def tile_rows(heads_per_tile: int) -> int:
