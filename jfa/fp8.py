@@ -24,7 +24,7 @@ from torch import Tensor
 from jfa import jagged, reference, specs
 from jfa.ops import _kernel_offsets, _load_kernel_module, _warn_once, _why_not_kernel
 
-__all__ = ["jagged_attention_fp8", "jagged_attention_fp8_fwd"]
+__all__ = ["jagged_attention_fp8", "jagged_attention_fp8_fwd", "transpose_values", "transposed_value_layout"]
 
 
 def _check_scale(name: str, value) -> float:
@@ -35,7 +35,62 @@ def _check_scale(name: str, value) -> float:
     return float(value)
 
 
-def _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window, broadcast_q):
+
+def transposed_value_layout(kv_offsets: Tensor, rows: int, device) -> tuple[Tensor, int]:
+    """(column of every key int64 [rows], width) of FP8's transposed V `[Hkv*D, width]`.
+
+    Hopper's FP8 wgmma reads its B operand only K-major, so P·V needs V with the keys contiguous. A
+    TMA load whose innermost start is not 16-byte aligned faults, so every sequence starts on a
+    16-key column: its packed start rounded up plus one 16-key gap per earlier sequence (the kernel
+    computes the same column, `jagged_fwd.transposed_value_col`). Gap columns hold zeros.
+    """
+    align = specs.TMA_ALIGN_BYTES  # 16 one-byte keys
+    offsets = kv_offsets.to(device=device, dtype=torch.int64)
+    keys = torch.arange(rows, device=device)
+    seq = torch.searchsorted(offsets[1:], keys, right=True)
+    starts = offsets[seq]
+    cols = (starts + align - 1) // align * align + seq * align + (keys - starts)
+    width = -(-max(rows, 1) // align) * align + (offsets.numel() - 1) * align
+    return cols, width
+
+
+def transpose_values(v: Tensor, kv_offsets: Tensor) -> Tensor:
+    """V in the layout the FP8 kernel reads, `[Hkv*D, width]` (`transposed_value_layout`), for
+    `jagged_attention_fp8(..., v_transposed=True)`: make it once when the same V serves several
+    calls, instead of one copy per call. On a Hopper GPU a gather-transpose kernel builds it (about
+    1 ms for 2.4 M keys x 512 bytes on the H200), elsewhere PyTorch does."""
+    jagged.check_jagged_tensors(v, v, v, kv_offsets, kv_offsets, fp8=True)
+    if _why_not_kernel("jagged_fwd", v, dtypes=jagged.FP8_DTYPES) is None:
+        module, _ = _load_kernel_module("jagged_fwd")
+        return module.transposed_values(v, kv_offsets)
+    rows, heads, dim = v.shape
+    cols, width = transposed_value_layout(kv_offsets, rows, v.device)
+    v_t = torch.zeros((heads * dim, width), dtype=torch.uint8, device=v.device)
+    v_t.index_copy_(1, cols, v.reshape(rows, heads * dim).t().view(torch.uint8))  # bytes: no float8 index_copy
+    return v_t.view(v.dtype)
+
+
+def _packed_values(v_t: Tensor, kv_offsets: Tensor, like: Tensor) -> Tensor:
+    """The inverse of `transpose_values`: `[Tk, Hkv, D]` shaped like `like` (k)."""
+    cols, _ = transposed_value_layout(kv_offsets, like.shape[0], v_t.device)
+    return v_t.view(torch.uint8)[:, cols].t().contiguous().view(v_t.dtype).reshape(like.shape)
+
+
+def _check_transposed_values(v: Tensor, k: Tensor, kv_offsets: Tensor) -> None:
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"v: expected a torch.Tensor, got {type(v).__name__}")
+    _, width = transposed_value_layout(kv_offsets, k.shape[0], "cpu")
+    expected = (k.shape[1] * k.shape[2], width)
+    if v.dtype not in jagged.FP8_DTYPES or tuple(v.shape) != expected or not v.is_contiguous():
+        raise ValueError(f"v: with v_transposed=True, expected a contiguous {jagged.FP8_DTYPES[0]} tensor of shape "
+                         f"{expected} made by jfa.fp8.transpose_values(v, kv_offsets), got {v.dtype} "
+                         f"{tuple(v.shape)}")
+    if v.device != k.device:
+        raise ValueError(f"v: is on {v.device} but k is on {k.device}; move it there")
+
+def _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window, broadcast_q, v_transposed):
+    if v_transposed:
+        v = _packed_values(v, kv_offsets, k)
     real = [t.float() * s for t, s in zip((q, k, v), scales)]
     out, lse = reference.jagged_attention_ref(*real, q_offsets, kv_offsets, sm_scale=sm_scale, causal=causal,
                                               window=window, broadcast_q=broadcast_q)
@@ -46,22 +101,24 @@ def _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window,
 def jagged_attention_fp8_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
                              max_seq_len_q: int, max_seq_len_kv: int, sm_scale: float, q_scale: float,
                              k_scale: float, v_scale: float, causal: bool, window: int | None,
-                             broadcast_q: bool) -> tuple[Tensor, Tensor]:
+                             broadcast_q: bool, v_transposed: bool) -> tuple[Tensor, Tensor]:
     """FP8 forward -> (out [Tq_out, Hq, D] bfloat16, lse float32 [Hq, Tq_out]); inputs validated.
-    This default implementation is the reference on the dequantized inputs."""
+    `v_transposed`: v is `transpose_values(v, kv_offsets)`. This default implementation is the
+    reference on the dequantized inputs."""
     _warn_once(f"FP8: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
     return _reference(q, k, v, q_offsets, kv_offsets, sm_scale, (q_scale, k_scale, v_scale), causal, window,
-                      broadcast_q)
+                      broadcast_q, v_transposed)
 
 
 @jagged_attention_fp8_fwd.register_kernel("cuda")
 def _jagged_attention_fp8_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, q_scale,
-                                   k_scale, v_scale, causal, window, broadcast_q):
+                                   k_scale, v_scale, causal, window, broadcast_q, v_transposed):
     scales = (q_scale, k_scale, v_scale)
     why = _why_not_kernel("jagged_fwd", q, k, v, dtypes=jagged.FP8_DTYPES)
     if why is not None:
         _warn_once(f"FP8: {why}")
-        return _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window, broadcast_q)
+        return _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window, broadcast_q,
+                          v_transposed)
     module, _ = _load_kernel_module("jagged_fwd")
     q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
     return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
@@ -70,7 +127,7 @@ def _jagged_attention_fp8_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q
 
 @jagged_attention_fp8_fwd.register_fake
 def _jagged_attention_fp8_fwd_fake(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
-                                   q_scale, k_scale, v_scale, causal, window, broadcast_q):
+                                   q_scale, k_scale, v_scale, causal, window, broadcast_q, v_transposed):
     out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return (q.new_empty(out_rows, q.shape[1], q.shape[2], dtype=specs.FP8_OUT_DTYPE),
             q.new_empty(q.shape[1], out_rows, dtype=torch.float32))
@@ -80,17 +137,21 @@ def jagged_attention_fp8(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_
                          max_seq_len_q: int | None = None, max_seq_len_kv: int | None = None, *,
                          q_scale: float = 1.0, k_scale: float = 1.0, v_scale: float = 1.0,
                          sm_scale: float | None = None, causal: bool = False, window: int | None = None,
-                         broadcast_q: bool = False, return_lse: bool = False):
+                         broadcast_q: bool = False, return_lse: bool = False, v_transposed: bool = False):
     """`jfa.jagged_attention` for float8_e4m3fn q, k, v whose real values are `q * q_scale` (and so
     on). Returns out [Tq_out, Hq, D] in bfloat16 (and lse float32 [Hq, Tq_out] with `return_lse`).
+    `v_transposed=True`: v is `transpose_values(v, kv_offsets)`, the layout the kernel reads, made
+    once by the caller (otherwise every call copies V into it).
     Validation reads the offsets (a sync when they live on the GPU); a validated call can go straight
     to the custom op `jagged_attention_fp8_fwd`, which torch.compile traces with no host sync."""
-    problem = jagged.validate_jagged_attention(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
-                                               sm_scale=sm_scale, causal=causal, window=window,
+    problem = jagged.validate_jagged_attention(q, k, k if v_transposed else v, q_offsets, kv_offsets, max_seq_len_q,
+                                               max_seq_len_kv, sm_scale=sm_scale, causal=causal, window=window,
                                                broadcast_q=broadcast_q, fp8=True)
+    if v_transposed:
+        _check_transposed_values(v, k, kv_offsets)
     scales = [_check_scale(name, value) for name, value in
               (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale))]
     out, lse = jagged_attention_fp8_fwd(q, k, v, q_offsets, kv_offsets, problem.max_seq_len_q,
                                         problem.max_seq_len_kv, problem.sm_scale, *scales, causal, window,
-                                        broadcast_q)
+                                        broadcast_q, bool(v_transposed))
     return (out, lse) if return_lse else out

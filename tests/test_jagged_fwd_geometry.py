@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jfa import fp8
 from jfa.jagged import lengths_to_offsets
 from jfa.kernels import jagged_fwd
 from jfa.reference import visible_mask
@@ -171,8 +172,10 @@ def check_fp8_value_columns(cases: int, seed: int) -> int:
         offsets = lengths_to_offsets(lengths)
         # E4M3 as the kernel takes it, with no zeros so that the gaps are told apart
         v = torch.randn(sum(lengths), 2, 16, generator=gen).abs_().add_(1).to(jagged_fwd.FP8_DTYPE)
-        v_t = jagged_fwd.transposed_values(v, offsets).float()
-        v = v.float()
+        v_t = jagged_fwd.transposed_values(v, offsets)
+        # the kernel copy and the PyTorch one (jfa.fp8, off the GPU) give the same bytes
+        assert torch.equal(v_t.view(torch.uint8), fp8.transpose_values(v, offsets).view(torch.uint8))
+        v_t, v = v_t.float(), v.float()
         broadcast_q_len = 64 if case % 2 else 0  # PMA: the sequence index is the key batch's
         q_lens = [broadcast_q_len] * len(lengths) if broadcast_q_len else lengths
         entries, out = _geometry(q_lens, lengths, broadcast_q_len, False, None, False, fp8=True)

@@ -62,6 +62,7 @@ import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
+from jfa.fp8 import transposed_value_layout
 from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
                                 pingpong_exit, pingpong_start, ring_slot, sequence_rows, store_rows,
                                 visible_key_range, visible_mask, zigzag_tile, zigzag_turns)
@@ -120,8 +121,8 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
 
     Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len, first_col,
     selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail). `v_start` is where the keys start in V's
-    layout: kv_start, or with FP8 (V transposed) `transposed_value_col(kv_start, seq)`. Key tiles are numbered n = 0..num_kv_tiles-1 and
-    start at sequence-local column `_key_tile_col(n, ...)`: `first_col + n*BLOCK_N`, or with
+    layout: kv_start, or with FP8 (V transposed) `transposed_value_col(kv_start, seq)`. Key tiles are
+    numbered n = 0..num_kv_tiles-1 and start at sequence-local column `_key_tile_col(n, ...)`: `first_col + n*BLOCK_N`, or with
     BLOCK_SPARSE the n-th selected block, read from `selected` (the tile's row of the selection); tiles
     bulk_lo <= n < bulk_hi need no mask (tile 0 is peeled and always masked, so bulk_lo >= 1).
     half_tail is 1 when the last of two or more key tiles holds at most BLOCK_N/2 visible keys: it
@@ -629,28 +630,20 @@ def _transpose_values_kernel(v_ptr, source_key_ptr, v_t_ptr, channels, width,
 
 
 def transposed_values(v: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
-    """FP8's V operand: `[Hkv*D, columns]`, keys contiguous, every sequence starting on a 16-key
-    column (`transposed_value_col`; TMA faults on unaligned innermost starts), zeros in the gaps.
-    Built on v's device from the offsets there, with no host sync. The copy is a gather-transpose
-    kernel: torch's column scatter (22 ms) and its byte transpose (35 ms with a row scatter) took
-    longer than the attention kernel (13.6 ms) for 2.4 M keys x 512 bytes on the H200."""
+    """FP8's V operand, `[Hkv*D, width]` in `jfa.fp8.transposed_value_layout` (keys contiguous,
+    every sequence from a 16-key column, zeros between), built on v's device with no host sync.
+    The copy is a gather-transpose kernel: torch's column scatter (22 ms) and its byte transpose
+    (35 ms with a row scatter) took longer than the attention kernel (13.6 ms) for 2.4 M keys x
+    512 bytes on the H200; this one takes about 1 ms."""
     rows, heads, dim = v.shape
     channels = heads * dim
-    num_seqs = kv_offsets.numel() - 1
-    align = V_T_ALIGN_KEYS.value
-    width = triton.cdiv(max(rows, 1), align) * align + num_seqs * align
-    offsets = kv_offsets.to(device=v.device, dtype=torch.int64)
-    keys = torch.arange(rows, device=v.device)
-    seq = torch.searchsorted(offsets[1:], keys, right=True)
-    starts = offsets[seq]
-    cols = (starts + align - 1) // align * align + seq * align + (keys - starts)
+    cols, width = transposed_value_layout(kv_offsets, rows, v.device)
     source_key = torch.full((width,), -1, dtype=torch.int32, device=v.device)
-    source_key[cols] = keys.to(torch.int32)
+    source_key[cols] = torch.arange(rows, dtype=torch.int32, device=v.device)
     v_t = torch.empty((channels, width), dtype=torch.uint8, device=v.device)
     grid = (triton.cdiv(width, TRANSPOSE_BLOCK_COLS), triton.cdiv(channels, TRANSPOSE_BLOCK_CHANNELS))
     _transpose_values_kernel[grid](v.reshape(rows, channels).contiguous().view(torch.uint8), source_key, v_t,
-                                   channels, width,
-                                   TRANSPOSE_BLOCK_COLS, TRANSPOSE_BLOCK_CHANNELS)
+                                   channels, width, TRANSPOSE_BLOCK_COLS, TRANSPOSE_BLOCK_CHANNELS)
     return v_t.view(v.dtype)
 
 
@@ -666,7 +659,8 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     range from the offsets. `selection` (a `jfa.sparse.BlockSelection`, validated) runs the
     block-sparse fork: each 128-row query block visits only its selected key blocks. FP8 (E4M3)
     q, k, v run the FP8 fork, output bf16; `descale` = (q, k, v) per-tensor scales, so that
-    q_real = q * descale[0] and so on.
+    q_real = q * descale[0] and so on; there a 2-D v is V already in the kernel's layout
+    (`jfa.fp8.transpose_values`), else it is copied into it.
     """
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
@@ -704,8 +698,8 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     config["ENTRY_MAJOR"] = schedule.q_blocks_per_seq == 1
     max_tiles = schedule.max_entries * (q_heads // pairing)
     grid = (max(1, min(_num_sms(q.device), max_tiles)),)
-    if fp8:
-        v_t = transposed_values(v, kv_offsets)
+    if fp8:  # a 2-D v is V^T already (`jfa.fp8.transpose_values`)
+        v_t = v if v.ndim == 2 else transposed_values(v, kv_offsets)
         desc_v = TensorDescriptor(v_t, shape=list(v_t.shape), strides=[v_t.shape[1], 1],
                                   block_shape=[head_dim, config["BLOCK_N"]])
     else:
@@ -714,7 +708,7 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     _jagged_fwd_kernel[grid](
         _rows_descriptor(q, ROWS_PER_CONSUMER.value),
         _rows_descriptor(k, config["BLOCK_N"]), desc_v,
-        _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(v, config["BLOCK_N"] // 2),
+        _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(k if fp8 else v, config["BLOCK_N"] // 2),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if selection is None else selection.blocks,
         None if selection is None else selection.counts,

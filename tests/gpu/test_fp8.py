@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jfa
-from jfa import reference, specs
+from jfa import fp8, reference, specs
 from jfa.kernels import jagged_fwd
 from jfa.ops import ReferenceFallbackWarning
 from tests.gpu.test_jagged_fwd import offsets
@@ -107,3 +107,18 @@ def test_public_api_runs_the_kernel():
     cosine, sqnr = agreement(out.float(), ref)
     assert out.dtype == torch.bfloat16 and cosine >= specs.MXFP8_MIN_COSINE and sqnr >= specs.MXFP8_MIN_SQNR_DB
 
+
+
+def test_pre_transposed_values_give_the_same_bytes():
+    """V made once by `jfa.fp8.transpose_values` (v_transposed=True) gives the packed-V call's output
+    bit for bit: the kernel reads the same V^T either way."""
+    lengths = [300, 129, 1, 2048, 65]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(sum(lengths), 4, 128, device="cuda", generator=gen).to(FP8) for _ in range(3))
+    off = offsets(lengths)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceFallbackWarning)  # a fallback fails the test
+        packed = jfa.jagged_attention_fp8(q, k, v, off, off, causal=True)
+        transposed = jfa.jagged_attention_fp8(q, k, fp8.transpose_values(v, off), off, off, causal=True,
+                                              v_transposed=True)
+    assert torch.equal(packed, transposed)
