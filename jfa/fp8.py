@@ -7,9 +7,10 @@ softmax's exp2 argument (q and k) and the epilogue (v). P needs no scale of its 
 conditional rescale keeps its entries in [0, 2^8], inside E4M3's range (448).
 
 Hopper's FP8 wgmma reads its B operand only K-major, so V goes in transposed (`[Hkv*D, keys]`,
-made by `jagged_fwd.transposed_values`, one copy per call). Blackwell's block-scaled MXFP8 MMA (one
-E8M0 scale per 32 elements, `reference.mx_quantize`) has no Hopper counterpart; per-tensor scales
-are what Hopper's wgmma can take without dequantizing.
+`transposed_value_layout`): copied per call by `jagged_fwd.transposed_values`, or made once by the
+caller with `transpose_values` and passed with `v_transposed=True`. Blackwell's block-scaled MXFP8
+MMA (one E8M0 scale per 32 elements, `reference.mx_quantize`) has no Hopper counterpart; per-tensor
+scales are what Hopper's wgmma can take without dequantizing.
 
 Forward only: FP8 inputs carry no gradient here. Off a Hopper GPU the float32 reference runs on the
 dequantized inputs, and says so once.
@@ -24,7 +25,8 @@ from torch import Tensor
 from jfa import jagged, reference, specs
 from jfa.ops import _kernel_offsets, _load_kernel_module, _warn_once, _why_not_kernel
 
-__all__ = ["jagged_attention_fp8", "jagged_attention_fp8_fwd", "transpose_values", "transposed_value_layout"]
+__all__ = ["jagged_attention_fp8", "jagged_attention_fp8_fwd", "transpose_values", "transposed_value_layout",
+           "transposed_value_width"]
 
 
 def _check_scale(name: str, value) -> float:
@@ -33,7 +35,6 @@ def _check_scale(name: str, value) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}: must be finite and > 0 (real value = stored E4M3 value * {name}), got {value}")
     return float(value)
-
 
 
 def transposed_value_layout(kv_offsets: Tensor, rows: int, device) -> tuple[Tensor, int]:
@@ -50,8 +51,14 @@ def transposed_value_layout(kv_offsets: Tensor, rows: int, device) -> tuple[Tens
     seq = torch.searchsorted(offsets[1:], keys, right=True)
     starts = offsets[seq]
     cols = (starts + align - 1) // align * align + seq * align + (keys - starts)
-    width = -(-max(rows, 1) // align) * align + (offsets.numel() - 1) * align
-    return cols, width
+    return cols, transposed_value_width(rows, offsets.numel() - 1)
+
+
+def transposed_value_width(rows: int, num_seqs: int) -> int:
+    """Columns of FP8's transposed V for `rows` keys in `num_seqs` sequences (every start rounded up
+    to 16 keys, one 16-key gap per sequence)."""
+    align = specs.TMA_ALIGN_BYTES
+    return -(-max(rows, 1) // align) * align + num_seqs * align
 
 
 def transpose_values(v: Tensor, kv_offsets: Tensor) -> Tensor:
@@ -59,7 +66,7 @@ def transpose_values(v: Tensor, kv_offsets: Tensor) -> Tensor:
     `jagged_attention_fp8(..., v_transposed=True)`: make it once when the same V serves several
     calls, instead of one copy per call. On a Hopper GPU a gather-transpose kernel builds it (about
     1 ms for 2.4 M keys x 512 bytes on the H200), elsewhere PyTorch does."""
-    jagged.check_jagged_tensors(v, v, v, kv_offsets, kv_offsets, fp8=True)
+    jagged.validate_jagged_attention(v, v, v, kv_offsets, kv_offsets, fp8=True)  # reads the offsets once
     if _why_not_kernel("jagged_fwd", v, dtypes=jagged.FP8_DTYPES) is None:
         module, _ = _load_kernel_module("jagged_fwd")
         return module.transposed_values(v, kv_offsets)
@@ -79,14 +86,14 @@ def _packed_values(v_t: Tensor, kv_offsets: Tensor, like: Tensor) -> Tensor:
 def _check_transposed_values(v: Tensor, k: Tensor, kv_offsets: Tensor) -> None:
     if not isinstance(v, torch.Tensor):
         raise TypeError(f"v: expected a torch.Tensor, got {type(v).__name__}")
-    _, width = transposed_value_layout(kv_offsets, k.shape[0], "cpu")
-    expected = (k.shape[1] * k.shape[2], width)
+    expected = (k.shape[1] * k.shape[2], transposed_value_width(k.shape[0], kv_offsets.numel() - 1))
     if v.dtype not in jagged.FP8_DTYPES or tuple(v.shape) != expected or not v.is_contiguous():
         raise ValueError(f"v: with v_transposed=True, expected a contiguous {jagged.FP8_DTYPES[0]} tensor of shape "
                          f"{expected} made by jfa.fp8.transpose_values(v, kv_offsets), got {v.dtype} "
                          f"{tuple(v.shape)}")
     if v.device != k.device:
         raise ValueError(f"v: is on {v.device} but k is on {k.device}; move it there")
+
 
 def _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window, broadcast_q, v_transposed):
     if v_transposed:

@@ -121,15 +121,15 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
 
     Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len, first_col,
     selected, num_kv_tiles, bulk_lo, bulk_hi, half_tail). `v_start` is where the keys start in V's
-    layout: kv_start, or with FP8 (V transposed) `transposed_value_col(kv_start, seq)`. Key tiles are
-    numbered n = 0..num_kv_tiles-1 and start at sequence-local column `_key_tile_col(n, ...)`: `first_col + n*BLOCK_N`, or with
-    BLOCK_SPARSE the n-th selected block, read from `selected` (the tile's row of the selection); tiles
-    bulk_lo <= n < bulk_hi need no mask (tile 0 is peeled and always masked, so bulk_lo >= 1).
-    half_tail is 1 when the last of two or more key tiles holds at most BLOCK_N/2 visible keys: it
-    is then loaded and multiplied as a half tile (with HALF_TAIL only; bulk_lo, bulk_hi <=
-    num_kv_tiles - half_tail). `head` is the tile's first query head (HEADS_PER_TILE of them).
-    `q_key` identifies the Q block: equal keys on consecutive tiles let the Q tile be reused
-    (broadcast-Q only).
+    layout: kv_start, or with FP8 (V transposed) `transposed_value_col(kv_start, seq)`. Key tiles
+    are numbered n = 0..num_kv_tiles-1 and start at sequence-local column `_key_tile_col(n, ...)`:
+    `first_col + n*BLOCK_N`, or with BLOCK_SPARSE the n-th selected block, read from `selected` (the
+    tile's row of the selection); tiles bulk_lo <= n < bulk_hi need no mask (tile 0 is peeled and
+    always masked, so bulk_lo >= 1). half_tail is 1 when the last of two or more key tiles holds at
+    most BLOCK_N/2 visible keys: it is then loaded and multiplied as a half tile (with HALF_TAIL
+    only; bulk_lo, bulk_hi <= num_kv_tiles - half_tail). `head` is the tile's first query head
+    (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let
+    the Q tile be reused (broadcast-Q only).
 
     Block-sparse (`jfa.sparse`): the selection holds, per (sequence, query head, query block), the
     distinct selected key blocks in ascending order, padded to SEL_WIDTH entries, and their count.
