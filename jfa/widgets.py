@@ -143,6 +143,14 @@ def newest_recorded(pattern: str, results_dir: Path = RESULTS_DIR, recorded_dir:
     return None
 
 
+def newest_recorded_tests(name_contains: str, pattern: str = "gpu-tests-*.json",
+                          results_dir: Path = RESULTS_DIR) -> Recorded | None:
+    """The newest `pytest --results-json` recording (`pattern`) that holds tests whose node id
+    contains `name_contains`: a later run of other tests only (a single suite) does not hide it."""
+    return newest_recorded(pattern, results_dir,
+                           where=lambda doc: any(name_contains in t.get("test", "") for t in doc.get("tests", [])))
+
+
 def recorded_test_outcomes(rec: Recorded | None, name_contains: str) -> list[dict]:
     """The test entries of a `pytest --results-json` file whose node id contains `name_contains`."""
     if rec is None:

@@ -130,6 +130,19 @@ def test_newest_recorded_prefers_real_runs_then_the_newest(tmp_path):
     assert jw.newest_recorded("gpu-tests-*.json", results_dir=tmp_path) is None
 
 
+def test_newest_recorded_tests_skips_later_runs_of_other_tests(tmp_path):
+    """A later recording of one suite only (e.g. the FP8 tests) does not hide the newest run of t01."""
+    def write(name, date, tests):
+        path = tmp_path / name
+        path.write_text(json.dumps({"env": {"date": date}, "tests": [{"test": t, "outcome": "passed"} for t in tests]}))
+        return path
+    write("gpu-tests-a.json", "2026-01-01", ["tests/gpu/test_tutorials.py::test_run_check[t01]"])
+    full = write("gpu-tests-b.json", "2026-02-01", ["tests/gpu/test_tutorials.py::test_run_check[t01]", "x"])
+    write("gpu-tests-c-fp8.json", "2026-03-01", ["tests/gpu/test_fp8.py::test_edge_lengths"])
+    assert jw.newest_recorded_tests("t01", results_dir=tmp_path).path == full
+    assert jw.newest_recorded_tests("t99", results_dir=tmp_path) is None
+
+
 def test_newest_recorded_filters_on_the_document(tmp_path):
     _write(tmp_path / "bench-1.json", "2026-06-01", rows=[{"suite": "pma", "ok": True}])
     _write(tmp_path / "bench-2.json", "2026-07-01", rows=[{"suite": "gem", "ok": True}])
