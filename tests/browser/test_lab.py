@@ -62,9 +62,13 @@ def _wait_for_server(url: str, server: subprocess.Popen, log: Path) -> None:
 @pytest.fixture
 def lab_server(tmp_path):
     token, port = secrets.token_hex(16), _free_port()
-    settings = tmp_path / "settings" / "@jupyterlab" / "docmanager-extension"
-    settings.mkdir(parents=True)
-    (settings / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
+    settings = tmp_path / "settings" / "@jupyterlab"
+    (settings / "docmanager-extension").mkdir(parents=True)
+    (settings / "docmanager-extension" / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
+    # Every cell attached and rendered: the default windowing may skip cells out of view, and the
+    # test reads the outputs from the page.
+    (settings / "notebook-extension").mkdir()
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
     log = tmp_path / "lab.log"
@@ -125,6 +129,8 @@ def test_start_here_runs_in_jupyterlab(lab_server, browser):
                 " && window.jupyterapp.shell.currentWidget.sessionContext.session" \
                 " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel)"
     _wait(browser, lambda: browser.execute_script(app_ready), SERVER_START_S, "the notebook and its kernel")
+    windowing = "return window.jupyterapp.shell.currentWidget.content.notebookConfig.windowingMode"
+    assert browser.execute_script(windowing) == "none", "the settings fixture did not reach JupyterLab"
     browser.execute_script("""
         const app = window.jupyterapp;
         app.commands.execute('notebook:clear-all-cell-outputs')
