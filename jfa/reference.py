@@ -25,10 +25,12 @@ __all__ = [
     "rotary_conj_ref",
     "make_sinu_pos",
     "fused_projection_rotary_block_attention_ref",
+    "fp8_quantize_per_tensor",
     "fp8_quantize_per_block",
     "fp8_dequantize_per_block",
     "mx_quantize",
     "mx_dequantize",
+    "fp8_agreement",
 ]
 
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -374,6 +376,24 @@ def fused_projection_rotary_block_attention_ref(x: torch.Tensor, w: torch.Tensor
     q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
     q, k, v = (rotary_ref(t.reshape(rows, -1, head_dim), sinu_pos) for t in (q, k, v))
     return block_attention_ref(q, k, v, offsets).reshape(rows, q_heads * head_dim)
+
+
+def fp8_quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """float8_e4m3fn x with one scale for the whole tensor, as `jfa.jagged_attention_fp8` takes it:
+    (x_fp8, scale) with x ~= x_fp8 * scale, scale = amax / 448 (1 for an all-zero x). The scale is
+    returned as a Python float, so on a GPU this reads amax back (a sync)."""
+    amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    scale = amax / FP8_E4M3_MAX if amax > 0 else 1.0
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(cosine similarity, SQNR in dB) of `got` against `want` over every element: the MXFP8 work's
+    measures of a low-precision result (`specs.MXFP8_MIN_COSINE`, `specs.MXFP8_MIN_SQNR_DB`)."""
+    got, want = got.detach().double().flatten(), want.detach().double().flatten()
+    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
+    sqnr_db = float(10 * torch.log10(want.square().sum() / (got - want).square().sum().clamp_min(1e-30)))
+    return cosine, sqnr_db
 
 
 def fp8_quantize_per_block(x: torch.Tensor, block_rows: int = specs.FP8_BLOCK_ROWS

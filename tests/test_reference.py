@@ -355,3 +355,24 @@ def test_mx_round_trip_scale_format_and_accuracy():
 def test_mx_rejects_ragged_last_dim():
     with pytest.raises(ValueError, match="multiple of the MX block"):
         reference.mx_quantize(torch.randn(4, 33))
+
+
+def test_fp8_quantize_per_tensor_maps_the_largest_value_to_448():
+    x = torch.randn(300, 2, 16, dtype=torch.float64) * 7
+    x_fp8, scale = reference.fp8_quantize_per_tensor(x)
+    assert x_fp8.dtype == torch.float8_e4m3fn and isinstance(scale, float)
+    assert float(x_fp8.float().abs().max()) == reference.FP8_E4M3_MAX
+    back = x_fp8.double() * scale
+    assert torch.all((back - x).abs() <= E4M3_REL_STEP * x.abs() + E4M3_MIN_SUBNORMAL * scale)
+    zeros, unit = reference.fp8_quantize_per_tensor(torch.zeros(4, 1, 8))
+    assert unit == 1.0 and not zeros.float().any()
+
+
+def test_fp8_agreement_is_cosine_and_sqnr():
+    want = torch.randn(1000, dtype=torch.float64)
+    noise = torch.randn(1000, dtype=torch.float64) * 0.01
+    cosine, sqnr = reference.fp8_agreement(want + noise, want)
+    assert cosine == pytest.approx(float(F.cosine_similarity(want + noise, want, dim=0)))
+    assert sqnr == pytest.approx(10 * math.log10(float(want.square().sum() / noise.square().sum())))
+    cosine, sqnr = reference.fp8_agreement(want, want)  # exact: no division by a zero noise power
+    assert cosine == pytest.approx(1.0) and math.isfinite(sqnr)

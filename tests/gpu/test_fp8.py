@@ -2,7 +2,6 @@
 (already quantized) inputs, measured as the MXFP8 work measures it: cosine similarity and SQNR
 (`specs.MXFP8_MIN_COSINE`, `specs.MXFP8_MIN_SQNR_DB`). Outputs are NaN-poisoned views inside guard
 rows: every valid row must be written, nothing around it."""
-import math
 import warnings
 
 import pytest
@@ -17,23 +16,8 @@ from tests.gpu.test_jagged_fwd import offsets
 pytestmark = pytest.mark.gpu
 
 FP8 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 GUARD_ROWS = 5
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 257, 509, 1000]
-
-
-def quantize(x):
-    """Per-tensor E4M3: (stored, scale) with x ~= stored * scale."""
-    scale = x.abs().max().clamp_min(1e-12) / E4M3_MAX
-    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), float(scale)
-
-
-def agreement(got, want):
-    """(cosine similarity, SQNR in dB) of two tensors, over every element."""
-    got, want = got.double().flatten(), want.double().flatten()
-    cosine = float(torch.nn.functional.cosine_similarity(got, want, dim=0))
-    sqnr = 10 * math.log10(float(want.square().sum() / (got - want).square().sum().clamp_min(1e-30)))
-    return cosine, sqnr
 
 
 def run_case(lengths, *, heads_q=4, heads_kv=4, head_dim=128, causal=False, window=None, seed=0, magnitude=1.0,
@@ -44,7 +28,7 @@ def run_case(lengths, *, heads_q=4, heads_kv=4, head_dim=128, causal=False, wind
     rows = sum(lengths)
     q_rows = rows if broadcast_q_len is None else broadcast_q_len
     (q, q_s), (k, k_s), (v, v_s) = (
-        quantize(torch.randn(n, heads, head_dim, device="cuda", generator=gen) * magnitude)
+        reference.fp8_quantize_per_tensor(torch.randn(n, heads, head_dim, device="cuda", generator=gen) * magnitude)
         for n, heads in ((q_rows, heads_q), (rows, heads_kv), (rows, heads_kv)))
     off = offsets(lengths)
     q_off = off if broadcast_q_len is None else offsets([broadcast_q_len])
@@ -64,7 +48,7 @@ def run_case(lengths, *, heads_q=4, heads_kv=4, head_dim=128, causal=False, wind
     assert torch.isnan(out_buf[:GUARD_ROWS]).all() and torch.isnan(out_buf[-GUARD_ROWS:]).all()
     assert torch.isnan(lse_buf[:, :GUARD_ROWS]).all() and torch.isnan(lse_buf[:, -GUARD_ROWS:]).all()
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "rows left unwritten (still NaN)"
-    cosine, sqnr = agreement(out.float(), ref)
+    cosine, sqnr = reference.fp8_agreement(out.float(), ref)
     assert cosine >= specs.MXFP8_MIN_COSINE and sqnr >= specs.MXFP8_MIN_SQNR_DB, (cosine, sqnr)
     # The LSE sees the same scores up to FP8 rounding of q and k (not of P): close, not equal.
     finite = torch.isfinite(ref_lse)
@@ -104,7 +88,7 @@ def test_public_api_runs_the_kernel():
         out = jfa.jagged_attention_fp8(q, k, v, offsets(lengths), offsets(lengths), causal=True)
     ref, _ = reference.jagged_attention_ref(q.float(), k.float(), v.float(), offsets(lengths), offsets(lengths),
                                             causal=True)
-    cosine, sqnr = agreement(out.float(), ref)
+    cosine, sqnr = reference.fp8_agreement(out.float(), ref)
     assert out.dtype == torch.bfloat16 and cosine >= specs.MXFP8_MIN_COSINE and sqnr >= specs.MXFP8_MIN_SQNR_DB
 
 
