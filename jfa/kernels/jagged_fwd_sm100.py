@@ -33,7 +33,7 @@ import triton.language.extra.tlx as tlx
 
 from jfa import specs
 from jfa.kernels.common import LOG2E, finalize_rows, online_softmax_step, ring_slot, store_rows, visible_mask
-from jfa.kernels.jagged_fwd import (_SIGNATURE_AFTER_OUT, _TRITON_DTYPE_NAMES, _key_tile_col, _num_sms,
+from jfa.kernels.jagged_fwd import (_SIGNATURE_AFTER_OUT, _TRITON_DTYPE_NAMES, _num_sms,
                                     _produce_kv_tile, _rows_descriptor, _tile_geometry, _tile_loop)
 from jfa.schedule import build_tile_schedule
 
@@ -106,7 +106,7 @@ def _jagged_fwd_sm100_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets
                     tlx.barrier_wait(s_full[0], kv_count & 1)
                     s = tlx.local_load(s_tmem[0])
                     if (n < bulk_lo) | (n >= bulk_hi):  # the peeled first tile and the edges
-                        cols = _key_tile_col(n, first_col, first_col, BLOCK_N, False) + tl.arange(0, BLOCK_N)
+                        cols = first_col + n * BLOCK_N + tl.arange(0, BLOCK_N)
                         s = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW),
                                      s, float("-inf"))
                     p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, qk_scale_log2, True)
@@ -177,7 +177,7 @@ def _jagged_fwd_sm100_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets
                     tlx.async_descriptor_load(desc_q, q_tiles[q_slot], [q_row0, head * HEAD_DIM], q_fulls[q_slot])
                     q_count += 1
                     for n in range(num_kv_tiles):
-                        key_col = _key_tile_col(n, first_col, first_col, BLOCK_N, False)
+                        key_col = first_col + n * BLOCK_N
                         _produce_kv_tile(desc_k, desc_v, k_tiles, v_tiles, k_fulls, k_empties, v_fulls,
                                          v_empties, kv_count, kv_start + key_col, kv_start + key_col, head,
                                          gqa_group, HEAD_DIM, NUM_KV_BUFFERS, 1, BLOCK_N)
