@@ -82,6 +82,13 @@ TUNING = {
     128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
 }
 FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1)}  # overrides of TUNING in the atomic and tma_reduce modes
+# The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
+# before the next instruction (`jagged_fwd.NUM_STAGES` says how), so each consumer's matrix
+# multiplies overlap only the other consumer's softmax. Measured on the H200 against that: without
+# the waits (num_stages 0; S^T and dP^T in flight together, dV and dK too) ptxas reloads spilled
+# values inside the loop and the backward ran 0.86-0.93x (results/ab-num-stages-*); the consumers
+# taking turns at the tensor cores like the forward's ran 0.87-0.93x (results/branch-bwd-pingpong-*).
+NUM_STAGES = 1
 
 # The deterministic dQ kernel is plain Triton (no warp specialization), in one of two shapes: query
 # rows per program, keys per step, warps and software-pipeline stages. Measured on the H200
@@ -586,7 +593,8 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     constexprs = constexprs | _selection_args(signature, selection_width, ("q_blocks_ptr", "q_block_counts_ptr"))
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_bwd_kernel, signature=signature, constexprs=constexprs,
-                      num_warps=PRODUCER_WARPS, name="jagged_bwd", aligned=("stride_dq_row", "stride_dkv_row"),
+                      num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, name="jagged_bwd",
+                      aligned=("stride_dq_row", "stride_dkv_row"),
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")
 
 
@@ -752,7 +760,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         0 if by_key_block is None else by_key_block.row_blocks, lse.stride(0), delta.stride(0), row_width,
         q.shape[0] * row_width if partials > 1 else 0, q.shape[0] if partials > 1 else 0, kv_heads * head_dim, kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
         0 if window is None else window, q_heads // kv_heads, qk_scale_log2, sm_scale,
-        num_warps=PRODUCER_WARPS, num_stages=1, **config)
+        num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, **config)
     if fused_dq:
         dq.copy_(dq_accum.sum(0) if partials > 1 else dq_accum[0])
         return dq, dk, dv

@@ -25,7 +25,9 @@ Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
   bytes landed) and an `empty` one (both consumers are done with it);
 - two consumers (`replicate=2`, 4 warps each, most registers): QK^T by wgmma, online softmax in
   registers, P·V by wgmma with P taken from registers. The two take turns issuing wgmma
-  (`common.pingpong_*`) and each overlaps its QK^T of tile n with its P·V of tile n-1.
+  (`common.pingpong_*`): a turn issues QK^T of tile n and P·V of tile n-1 together, and the
+  consumer's softmax of tile n runs while its P·V and the other consumer's turn keep the tensor
+  cores busy (FlashAttention-3's schedule; see NUM_STAGES for what this needs from Triton).
 
 Jagged addressing. q is viewed as a 2-D `[Tq, Hq*D]` tensor and k, v as `[Tk, Hkv*D]`; a TMA box
 is `[rows, D]` at column `head*D`. A box may run past the sequence into the next one (or past the
@@ -94,6 +96,17 @@ TUNING = {
 # while L=512 s=1 and dense, which have no partial tile, ran 2.6% and 1.5% slower with the path
 # compiled in.
 HALF_TAIL_MAX_KV_LEN = 256
+# Launched (and inspected) at num_stages 0. At num_stages >= 1 Triton's software pipeliner puts a
+# `wgmma.wait_group 0` right after every `tlx.async_dot` whose result it cannot prove safe to leave
+# in flight, which is every one here (visible in the TTGIR that `jfa.inspect` compiles): each wgmma
+# then finished before the next instruction, QK^T never overlapped P·V, and the only overlap left
+# was between the two consumers. At 0 the pass is skipped and the waits are those written. That
+# alone was 0.86-1.0x on the H200, because P·V was issued after the ping-pong turn and queued behind
+# the other consumer's QK^T; issuing both in one turn as well gives 0.99-1.06x the num_stages 1
+# kernel with outputs equal bit for bit (GEM L=1024 +5-6%, dense D=64 +3.6%, PMA q=256 -0.6%;
+# results/ab-num-stages-*, results/fwd-s0-pv-in-turn-*). The ring loads are mbarrier-driven, so the
+# pass has nothing else to do in this kernel.
+NUM_STAGES = 0
 ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer
 # FP8's transposed V starts every sequence on a TMA-aligned column: 16 bytes are 16 one-byte keys.
 V_T_ALIGN_KEYS: tl.constexpr = tl.constexpr(specs.TMA_ALIGN_BYTES)
@@ -283,25 +296,26 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
                       HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                       KEYS: tl.constexpr, FP8: tl.constexpr = False):
-    """One KV tile of a consumer (its first KEYS keys): issue QK^T(n), then P·V(n-1) behind it,
-    then softmax(n).
+    """One KV tile of a consumer (its first KEYS keys): issue QK^T(n) and P·V(n-1) in one ping-pong
+    turn, then softmax(n).
 
     The P·V of the previous tile runs on the tensor cores while this warpgroup waits for QK^T and
-    computes the softmax, so the exp2 work hides behind a matrix multiply. With two heads per tile
-    each ring slot holds one K (and V) tile per consumer, at index `slot * 2 + cid`.
+    computes the softmax, so the exp2 work hides behind a matrix multiply. Both are issued inside
+    the turn (K and V waited for first) so the other consumer's wgmmas queue behind both, not
+    between them. With two heads per tile each ring slot holds one K (and V) tile per consumer, at
+    index `slot * 2 + cid`.
     """
     LANE: tl.constexpr = cid if HEADS_PER_TILE == 2 else 0
     k_slot, k_phase = ring_slot(kv_count, NUM_KV_BUFFERS)
     k_buf = k_slot * HEADS_PER_TILE + LANE
     tlx.barrier_wait(k_fulls[k_buf], k_phase)
-    pingpong_enter(cid)
-    qk = tlx.async_dot(q_tile, tlx.local_trans(_first_keys(k_tiles[k_buf], KEYS)))
-    pingpong_exit(cid)
-
     v_slot, v_phase = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
     v_buf = v_slot * HEADS_PER_TILE + LANE
     tlx.barrier_wait(v_fulls[v_buf], v_phase)
+    pingpong_enter(cid)
+    qk = tlx.async_dot(q_tile, tlx.local_trans(_first_keys(k_tiles[k_buf], KEYS)))
     acc = tlx.async_dot(p.to(v_tiles.dtype), _values(v_tiles[v_buf], FP8), acc)
+    pingpong_exit(cid)
 
     qk = tlx.async_dot_wait(1, qk)
     tlx.barrier_arrive(k_empties[k_buf], 1)
@@ -591,7 +605,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
         constexprs = constexprs | dict(kv_blocks_ptr=None, kv_block_counts_ptr=None)
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
-                      num_warps=PRODUCER_WARPS, name="jagged_fwd",
+                      num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, name="jagged_fwd",
                       aligned=("stride_out_row",),
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")
 
@@ -716,5 +730,5 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,
         0 if window is None else window, q_heads // kv_heads,
         sm_scale * q_descale * k_descale * LOG2E.value, float(v_descale),
-        num_warps=PRODUCER_WARPS, num_stages=1, **config)
+        num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, **config)
     return out, lse
