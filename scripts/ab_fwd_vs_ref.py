@@ -4,7 +4,8 @@ only same-process alternation compares fairly). Inputs, the fp32 reference check
 are the benchmark harness's (`jfa.bench`); the two versions' outputs are also compared.
 
     git show main:jfa/kernels/jagged_fwd.py > /tmp/jagged_fwd_ref.py
-    python scripts/ab_fwd_vs_ref.py /tmp/jagged_fwd_ref.py OUT.json [--rounds N]   (GPU host, .gpu-bundle)
+    python scripts/ab_fwd_vs_ref.py /tmp/jagged_fwd_ref.py OUT.json [--rounds N] [--suites pma,gem,dense,fp8]
+    (GPU host, .gpu-bundle)
 """
 import argparse
 import importlib.util
@@ -16,7 +17,7 @@ from jfa import bench, envinfo, specs
 from jfa.kernels import jagged_fwd
 
 DEVICE = "cuda"
-SUITES = ("pma", "gem", "dense")
+SUITES = "pma,gem,dense"  # any of specs.BENCH_SUITES whose problems the plain forward call runs (not block kinds)
 
 
 def load_reference(path: str):
@@ -52,10 +53,11 @@ def main():
     parser.add_argument("reference", help="a copy of another version's jfa/kernels/jagged_fwd.py")
     parser.add_argument("out")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--suites", default=SUITES)
     args = parser.parse_args()
     versions = {"this": jagged_fwd, "ref": load_reference(args.reference)}
     rows = []
-    for suite in SUITES:
+    for suite in args.suites.split(","):
         for case in specs.BENCH_SUITES[suite]:
             row = run_case(case, versions, args.rounds)
             ratio = row["tflops_median"]["this"] / row["tflops_median"]["ref"]
