@@ -424,6 +424,22 @@ def _int_array(op_text: str, attribute: str, length: int) -> list:
     return [int(v) for v in match.group(1).split(",")]
 
 
+def wgmma_waits(ttgir: str) -> dict:
+    """Count a Hopper kernel's wgmma waits in its TTGIR: {"total": n, "right_after_issue": m}.
+
+    The second counts waits for every wgmma in flight (`pendings = 0`) placed on the line right
+    after an issue: such a wgmma finishes before anything else runs, so it overlaps nothing of its
+    own warpgroup. Triton's software pipeliner (`num_stages >= 1`) inserts one after each
+    `tlx.async_dot` whose result it cannot prove safe to leave in flight; a kernel's own
+    `tlx.async_dot_wait(0, ...)` issued immediately counts too.
+    """
+    lines = ttgir.splitlines()
+    waits = [i for i, line in enumerate(lines) if "ttng.warp_group_dot_wait" in line]
+    right_after = [i for i in waits if i > 0 and "ttng.warp_group_dot " in lines[i - 1]
+                   and "pendings = 0" in lines[i]]
+    return {"total": len(waits), "right_after_issue": len(right_after)}
+
+
 def _ptx_mnemonics(ptx: str) -> Counter:
     """Instruction mnemonics with their modifiers, one count per appearance in the PTX text."""
     counts = Counter()

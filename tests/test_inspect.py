@@ -159,3 +159,16 @@ def test_mma_loops_without_nvdisasm_is_none(monkeypatch):
 
     monkeypatch.setattr(knobs.env_nvidia_tool, "transform", missing)
     assert jfa_inspect.mma_loops(b"") is None
+
+
+def test_wgmma_waits_counts_the_waits_for_all_right_after_an_issue():
+    ttgir = "\n".join([
+        "%s = ttng.warp_group_dot %q, %k, %zero {isAsync = true}",
+        "%s_0 = ttng.warp_group_dot_wait %s, %q, %k {pendings = 0 : i32}",  # the pipeliner's kind
+        "%o = ttng.warp_group_dot %p, %v, %acc {isAsync = true}",
+        "%m = arith.maxnumf %x, %y",
+        "%o_1 = ttng.warp_group_dot_wait %o {pendings = 0 : i32}",  # not right after: work in between
+        "%t = ttng.warp_group_dot %q, %k, %zero {isAsync = true}",
+        "%t_2 = ttng.warp_group_dot_wait %t {pendings = 1 : i32}",  # leaves one in flight
+    ])
+    assert jfa_inspect.wgmma_waits(ttgir) == {"total": 3, "right_after_issue": 1}

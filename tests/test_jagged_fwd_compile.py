@@ -58,7 +58,8 @@ def _compile(cfg) -> dict:
                                    broadcast_q=broadcast_q, heads_per_tile=heads, entry_major=heads == 2,
                                    half_tail=half_tail, selection_width=selection_width)
     kernel = jinspect.compile_spec(spec, "sm_90")
-    return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared)
+    return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared,
+                wgmma_waits=jinspect.wgmma_waits(kernel.asm["ttgir"]))
 
 
 @pytest.fixture(scope="session")
@@ -131,6 +132,17 @@ def test_benchmark_configurations_do_not_spill(compiled, name):
     assert kv_loops, "no wgmma loop found in the SASS"
     allowed = KV_LOOP_LOCAL_ACCESSES.get(name, 0)
     assert all(max(loop["local_loads"], loop["local_stores"]) <= allowed for loop in kv_loops), kv_loops
+
+
+@pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
+def test_qk_and_pv_stay_in_flight(compiled, name):
+    """The KV loop waits for QK^T only after issuing P·V, as written: no wait for every wgmma right
+    after an issue except the kernel's own two, after the peeled first tile's QK^T (nothing to hide
+    behind) and after the last tile's P·V. Triton's pipeliner adds one after every wgmma at
+    num_stages >= 1 (`jagged_fwd.NUM_STAGES`); the half-tail kernel's half-width tiles add their own
+    pair."""
+    own = 4 if BENCHMARK_CONFIGS[name][6] else 2
+    assert compiled[BENCHMARK_CONFIGS[name]]["wgmma_waits"]["right_after_issue"] == own
 
 
 def test_bad_config_raises():
