@@ -53,6 +53,11 @@ WARPS_PER_GROUP = tl.constexpr(4)  # a Hopper warpgroup: the unit that issues on
 # setmaxnreg budget of a consumer; the producer (TMA issue only) keeps the rest, 24. The backward's
 # dQ epilogue holds dK, dV and dQ ([64, D] fp32 each, 192 registers a thread at D=128): at 232 it spilled.
 CONSUMER_REGISTERS = tl.constexpr(240)
+# Triton's num_stages for both kernels: its default, which every block-attention timing in results/
+# was measured with; inspect_spec compiles at the same value so its report is of the kernel that runs.
+# (A consumer takes one 64-token block against its one key tile and waits for each wgmma as soon as
+# it is issued, so the pipeliner's waits change nothing here; jagged_fwd.NUM_STAGES is where they do.)
+NUM_STAGES = 3
 SMEM_BUDGET_BYTES = 200 * 1024  # ring + staging must fit Hopper's 227 KiB with room for barriers
 MAX_RING_DEPTH = 4
 
@@ -393,7 +398,7 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
         1.0 / math.sqrt(head_dim), heads_q,
         GROUP=heads_q // k.shape[1], HEAD_DIM=head_dim,
         NUM_BUFFERS=fwd_ring_depth(head_dim), NUM_CONSUMERS=NUM_CONSUMERS,
-        num_warps=WARPS_PER_GROUP.value,
+        num_warps=WARPS_PER_GROUP.value, num_stages=NUM_STAGES,
     )
     return out
 
@@ -416,7 +421,7 @@ def _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, dq_row_stride, dkv_row_strid
         1.0 / math.sqrt(head_dim), heads_kv,
         GROUP=heads_q // heads_kv, HEAD_DIM=head_dim,
         NUM_BUFFERS=bwd_ring_depth(head_dim), NUM_CONSUMERS=NUM_CONSUMERS,
-        ROTARY_EPILOGUE=rotary, num_warps=WARPS_PER_GROUP.value,
+        ROTARY_EPILOGUE=rotary, num_warps=WARPS_PER_GROUP.value, num_stages=NUM_STAGES,
     )
 
 
@@ -494,4 +499,4 @@ def inspect_spec(direction: str = "fwd", head_dim: int = 128, group: int = 1, dt
     # sinu_row_stride is D, or dq's row stride without rotary: a multiple of 16 in every launch
     aligned = ("out_row_stride",) if direction == "fwd" else ("dq_row_stride", "dkv_row_stride", "sinu_row_stride")
     return KernelSpec(fn=fn, signature=signature, constexprs=constexprs, num_warps=WARPS_PER_GROUP.value,
-                      name=name, role_names=roles, target="sm_90", aligned=aligned)
+                      num_stages=NUM_STAGES, name=name, role_names=roles, target="sm_90", aligned=aligned)
