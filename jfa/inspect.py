@@ -40,6 +40,8 @@ from collections import Counter
 
 from jfa.specs import INSPECT_TARGETS, SETMAXNREG_MAX, TMEM_COLUMNS, WARP_SIZE
 
+TRITON_DEFAULT_NUM_STAGES = 3  # triton.backends.nvidia.compiler.CUDAOptions.num_stages
+
 
 @dataclasses.dataclass
 class KernelSpec:
@@ -50,13 +52,15 @@ class KernelSpec:
     signature entry is filled in). `role_names` labels the warp-specialized roles in order:
     the default task first, then each `tlx.async_task` region (a `replicate=R` task counts R times).
     `target` is the architecture the kernel is written for, used when `inspect` is given none.
+    `num_stages` must be what the kernel is launched with (it decides which of Triton's pipeliner
+    passes run); the default is Triton's own, for kernels launched without one.
     """
 
     fn: object
     signature: dict
     constexprs: dict = dataclasses.field(default_factory=dict)
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = TRITON_DEFAULT_NUM_STAGES
     name: str | None = None
     role_names: tuple = ()
     target: str = "sm_90"

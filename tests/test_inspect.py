@@ -172,3 +172,10 @@ def test_wgmma_waits_counts_the_waits_for_all_right_after_an_issue():
         "%t_2 = ttng.warp_group_dot_wait %t {pendings = 1 : i32}",  # leaves one in flight
     ])
     assert jfa_inspect.wgmma_waits(ttgir) == {"total": 3, "right_after_issue": 1}
+
+
+def test_spec_default_num_stages_is_tritons():
+    """A spec that names no num_stages describes a kernel launched without one."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    assert KernelSpec(fn=None, signature={}, name="any").num_stages == CUDAOptions.num_stages

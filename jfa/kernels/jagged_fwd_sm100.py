@@ -43,6 +43,7 @@ NUM_KV_BUFFERS = 2
 NUM_Q_BUFFERS: tl.constexpr = tl.constexpr(2)  # the next tile's Q lands while this one computes
 SINGLE_WARP_REGISTERS: tl.constexpr = tl.constexpr(24)  # the load and MMA warps only issue
 SOFTMAX_WARPS = specs.WARPGROUP_WARPS  # the default task: 4 warps, 128 threads
+NUM_STAGES = 1  # compiled (never run) as written; Blackwell's pipeliner passes were not studied here
 
 
 @triton.jit
@@ -218,7 +219,7 @@ def jagged_attention_fwd_sm100(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
         _rows_descriptor(q, BLOCK_M.value), _rows_descriptor(k, BLOCK_N), _rows_descriptor(v, BLOCK_N),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries, out.stride(0), lse.stride(0),
         q_heads, schedule.q_blocks_per_seq, q_len, 0 if window is None else window, q_heads // k.shape[1],
-        sm_scale * LOG2E.value, num_warps=SOFTMAX_WARPS, num_stages=1, **config)
+        sm_scale * LOG2E.value, num_warps=SOFTMAX_WARPS, num_stages=NUM_STAGES, **config)
     return out, lse
 
 
@@ -237,5 +238,6 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                      **{k: v for k, v in _SIGNATURE_AFTER_OUT.items() if k not in ("sel_q_blocks", "v_descale")})
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_sm100_kernel, signature=signature, constexprs=constexprs,
-                      num_warps=SOFTMAX_WARPS, name="jagged_fwd_sm100", aligned=("stride_out_row",),
+                      num_warps=SOFTMAX_WARPS, num_stages=NUM_STAGES, name="jagged_fwd_sm100",
+                      aligned=("stride_out_row",),
                       role_names=("softmax", "mma", "load"), target="sm_100")
