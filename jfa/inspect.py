@@ -100,7 +100,7 @@ INSTRUCTION_GROUPS = {
     "TMA reduce (cp.reduce.async.bulk)": lambda m: m.startswith("cp.reduce.async.bulk"),
     "mbarrier.init": lambda m: m.startswith("mbarrier.init"),
     "mbarrier.arrive (all)": lambda m: m.startswith("mbarrier.arrive"),
-    "mbarrier.arrive.expect_tx": lambda m: m.startswith("mbarrier.arrive.expect_tx") or m.startswith("mbarrier.expect_tx"),
+    "mbarrier.arrive.expect_tx": lambda m: m.startswith(("mbarrier.arrive.expect_tx", "mbarrier.expect_tx")),
     "mbarrier.try_wait": lambda m: m.startswith("mbarrier.try_wait"),
     "bar.sync / barrier.sync": lambda m: m.startswith(("bar.sync", "barrier.sync")),
     "bar.arrive / barrier.arrive": lambda m: m.startswith(("bar.arrive", "barrier.arrive")),

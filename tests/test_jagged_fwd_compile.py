@@ -165,7 +165,8 @@ def test_fp8_fork_multiplies_in_fp8(compiled):
     for cfg in (c for c in CONFIGS if c[1] == FP8):
         ptx = compiled[cfg]["ptx"]
         assert _count(ptx, "wgmma.mma_async.sync.aligned") == _count(ptx, "wgmma.mma_async.sync.aligned.m64"), cfg
-        assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx) and not re.search(r"wgmma\.mma_async\S*bf16", ptx), cfg
+        assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx), cfg
+        assert not re.search(r"wgmma\.mma_async\S*bf16", ptx), cfg
 
 
 def test_short_queries_pair_heads():

@@ -758,7 +758,8 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if by_key_block is None else by_key_block.blocks, None if by_key_block is None else by_key_block.counts,
         0 if by_key_block is None else by_key_block.row_blocks, lse.stride(0), delta.stride(0), row_width,
-        q.shape[0] * row_width if partials > 1 else 0, q.shape[0] if partials > 1 else 0, kv_heads * head_dim, kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
+        q.shape[0] * row_width if partials > 1 else 0, q.shape[0] if partials > 1 else 0, kv_heads * head_dim,
+        kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
         0 if window is None else window, q_heads // kv_heads, qk_scale_log2, sm_scale,
         num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, **config)
     if fused_dq:
