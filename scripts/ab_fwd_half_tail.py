@@ -9,6 +9,7 @@ benchmark harness's (`jfa.bench`); both variants' outputs are also compared with
 """
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -58,7 +59,7 @@ def run_case(name, rounds):
                 bench.do_bench_median(lambda: jagged_fwd.jagged_attention_fwd(q, k, v, *args), []))
     result["max_abs_diff_on_vs_off"] = float((outputs[True].float() - outputs[False].float()).abs().max())
     flops = bench.case_flops(case, problem, "fwd")
-    result["tflops_median"] = {on: flops / sorted(t)[len(t) // 2] / 1e9 for on, t in result["ms"].items()}
+    result["tflops_median"] = {on: specs.tflops(flops, statistics.median_high(t)) for on, t in result["ms"].items()}
     return result
 
 

@@ -10,6 +10,7 @@ are the benchmark harness's (`jfa.bench`); the two versions' outputs are also co
 import argparse
 import importlib.util
 import json
+import statistics
 
 import torch
 
@@ -44,7 +45,7 @@ def run_case(case, versions, rounds):
                 bench.do_bench_median(lambda: module.jagged_attention_fwd(q, k, v, *args), []))
     result["max_abs_diff"] = float((outputs["this"].float() - outputs["ref"].float()).abs().max())
     flops = bench.case_flops(case, problem, "fwd")
-    result["tflops_median"] = {name: flops / sorted(t)[len(t) // 2] / 1e9 for name, t in result["ms"].items()}
+    result["tflops_median"] = {name: specs.tflops(flops, statistics.median_high(t)) for name, t in result["ms"].items()}
     return result
 
 

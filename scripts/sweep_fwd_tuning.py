@@ -14,6 +14,7 @@ under every name: their spread is the run's noise.
 """
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -55,7 +56,7 @@ def run_case(case, key, variants, rounds):
     finally:
         jagged_fwd.TUNING[key] = base
     flops = bench.case_flops(case, problem, "fwd")
-    row["tflops_median"] = {name: flops / sorted(t)[len(t) // 2] / 1e9 for name, t in row["ms"].items()}
+    row["tflops_median"] = {name: specs.tflops(flops, statistics.median_high(t)) for name, t in row["ms"].items()}
     return row
 
 
