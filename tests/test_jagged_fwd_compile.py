@@ -141,8 +141,9 @@ def test_qk_and_pv_stay_in_flight(compiled, name):
     behind) and after the last tile's P·V. Triton's pipeliner adds one after every wgmma at
     num_stages >= 1 (`jagged_fwd.NUM_STAGES`); the half-tail kernel's half-width tiles add their own
     pair."""
-    own = 4 if BENCHMARK_CONFIGS[name][6] else 2
-    assert compiled[BENCHMARK_CONFIGS[name]]["wgmma_waits"]["right_after_issue"] == own
+    cfg = BENCHMARK_CONFIGS[name]
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width = cfg
+    assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == (4 if half_tail else 2)
 
 
 def test_bad_config_raises():
