@@ -1,10 +1,12 @@
 """The jagged forward's tuning entry against variants of it, timed in one process.
 
 `jagged_fwd.TUNING[(head_dim, heads_per_tile)]` holds BLOCK_N (keys per KV tile), NUM_KV_BUFFERS
-(the K/V ring's depth) and CONSUMER_REGISTERS. A variant overrides some of them; each case of the
-named benchmark suites (`jfa.bench` inputs) is timed for the current entry and every variant in
-rounds whose order rotates (the H200's clock moves with its power cap, so only same-process rounds
-compare), and every output is checked against the fp32 reference first. A variant that does not
+(the K/V ring's depth) and CONSUMER_REGISTERS; `jagged_fwd.SHORT_KV_TUNING` may hold another entry for
+the same key, used where keys average at most SHORT_KV_MEAN_LEN per sequence. "current" is the entry a
+case uses; a variant overrides some of its values (in both tables, so in whichever entry the case
+takes). Each case of the named benchmark suites (`jfa.bench` inputs) is timed for the current entry
+and every variant in rounds whose order rotates (the H200's clock moves with its power cap, so only
+same-process rounds compare), and every output is checked against the fp32 reference first. A variant that does not
 compile or launch (e.g. its ring outgrows shared memory) is recorded with its error. Cases that the
 entry does not configure (PMA q=64 runs two heads per tile, entry (128, 2)) time the same kernel
 under every name: their spread is the run's noise.
@@ -38,7 +40,8 @@ def run_case(case, key, variants, rounds):
     args = (problem.q_offsets, problem.kv_offsets, problem.max_q, problem.max_kv, None, False, None,
             problem.kind == "pma")
     call = lambda: jagged_fwd.jagged_attention_fwd(q, k, v, *args)
-    base = dict(jagged_fwd.TUNING[key])
+    tables = [t for t in (jagged_fwd.TUNING, jagged_fwd.SHORT_KV_TUNING) if key in t]
+    bases = [dict(t[key]) for t in tables]
     row = dict(case=f"{case['suite']} {case['case']}", ms={}, rel_err={}, errors={})
     names = list(variants)
     try:
@@ -46,7 +49,8 @@ def run_case(case, key, variants, rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 if name in row["errors"]:
                     continue
-                jagged_fwd.TUNING[key] = dict(base, **variants[name])
+                for table, base in zip(tables, bases):
+                    table[key] = dict(base, **variants[name])
                 try:
                     if r == 0:
                         row["rel_err"][name] = bench.check_output(problem, call()[0])["rel_err"]
@@ -54,7 +58,8 @@ def run_case(case, key, variants, rounds):
                 except Exception as exc:  # a variant that cannot run is a result, recorded as such
                     row["errors"][name] = bench._error_text(exc)
     finally:
-        jagged_fwd.TUNING[key] = base
+        for table, base in zip(tables, bases):
+            table[key] = base
     flops = bench.case_flops(case, problem, "fwd")
     row["tflops_median"] = {name: specs.tflops(flops, statistics.median_high(t)) for name, t in row["ms"].items()}
     return row
@@ -84,7 +89,8 @@ def main():
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(dict(kind="jagged forward tuning sweep, same process", key=list(key),
-                       current=jagged_fwd.TUNING[key], variants=variants, rounds=args.rounds,
+                       current=jagged_fwd.TUNING[key], current_short_kv=jagged_fwd.SHORT_KV_TUNING.get(key),
+                       variants=variants, rounds=args.rounds,
                        env=envinfo.environment(), rows=rows), f, indent=1)
 
 

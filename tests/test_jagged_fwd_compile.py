@@ -21,10 +21,11 @@ from jfa.reference import visible_mask
 from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
 
 BF16, FP16 = torch.bfloat16, torch.float16
-# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail, selection_width): every
-# flag combination with one head per tile, a spread of them with two (the short-query mode has its
-# own ring layout), a spread with half last tiles (compiled in for KV sequences of at most 256 keys)
-# and the block-sparse fork (selection_width > 0; one head per tile, no window or broadcast-Q).
+# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail, selection_width, short_kv):
+# every flag combination with one head per tile, a spread of them with two (the short-query mode has
+# its own ring layout), a spread with half last tiles (compiled in for KV sequences of at most 256
+# keys), the block-sparse fork (selection_width > 0; one head per tile, no window or broadcast-Q) and
+# a spread with the short-key tuning (64-key tiles, a 4-deep ring: `jagged_fwd.SHORT_KV_TUNING`).
 CONFIGS = [cfg + (1, False) for cfg in itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
                                                          (False, True), (None, 32), (False, True))]
 CONFIGS += [(64, BF16, False, None, True, 2, False), (128, BF16, False, None, True, 2, False),
@@ -40,23 +41,28 @@ CONFIGS += [(128, BF16, False, None, False, 1, False, 16), (128, FP16, True, Non
 FP8 = torch.float8_e4m3fn
 CONFIGS += [(128, FP8, False, None, False, 1, False, 0), (64, FP8, True, 32, False, 1, False, 0),
             (128, FP8, False, None, True, 1, False, 0), (128, FP8, True, None, False, 1, False, 0)]
+CONFIGS = [cfg + (False,) for cfg in CONFIGS]
+CONFIGS += [(128, BF16, False, None, False, 1, False, 0, True), (128, BF16, False, None, False, 1, True, 0, True),
+            (128, FP16, True, 32, False, 1, True, 0, True), (128, BF16, False, None, True, 1, True, 0, True),
+            (128, BF16, True, None, False, 1, False, 0, True)]
 
 
 def _config_id(cfg):
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
     return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
             f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
             f"{'-2heads' if heads == 2 else ''}{'-halftail' if half_tail else ''}"
-            f"{f'-sparse{selection_width}' if selection_width else ''}")
+            f"{f'-sparse{selection_width}' if selection_width else ''}{'-shortkv' if short_kv else ''}")
 
 
 def _compile(cfg) -> dict:
     """Compile one configuration for sm_90; returns what the checks read (picklable)."""
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
     # Two heads per tile means every sequence is one query block, where the kernel runs entry-major.
     spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                                    broadcast_q=broadcast_q, heads_per_tile=heads, entry_major=heads == 2,
-                                   half_tail=half_tail, selection_width=selection_width)
+                                   half_tail=half_tail, selection_width=selection_width,
+                                   short_kv=short_kv)
     kernel = jinspect.compile_spec(spec, "sm_90")
     return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared,
                 wgmma_waits=jinspect.wgmma_waits(kernel.asm["ttgir"]))
@@ -115,12 +121,14 @@ FORWARD_SPILL_BUDGET_BYTES = 96
 KV_LOOP_LOCAL_ACCESSES = {"gem-d128-halftail": 1, "pma-q256": 1, "block-sparse-d128": 2}
 
 
-BENCHMARK_CONFIGS = {"gem-d128": (128, BF16, False, None, False, 1, False, 0),
-                     "pma-q256": (128, BF16, False, None, True, 1, False, 0),
-                     "pma-q64": (128, BF16, False, None, True, 2, False, 0),
-                     "dense-d64": (64, BF16, False, None, False, 1, False, 0),
-                     "gem-d128-halftail": (128, BF16, False, None, False, 1, True, 0),
-                     "block-sparse-d128": (128, BF16, False, None, False, 1, False, 16)}
+BENCHMARK_CONFIGS = {"gem-d128": (128, BF16, False, None, False, 1, False, 0, False),
+                     "pma-q256": (128, BF16, False, None, True, 1, False, 0, False),
+                     "pma-q64": (128, BF16, False, None, True, 2, False, 0, False),
+                     "dense-d64": (64, BF16, False, None, False, 1, False, 0, False),
+                     "gem-d128-halftail": (128, BF16, False, None, False, 1, True, 0, False),
+                     "block-sparse-d128": (128, BF16, False, None, False, 1, False, 16, False),
+                     "gem-d128-shortkv": (128, BF16, False, None, False, 1, False, 0, True),
+                     "gem-d128-shortkv-halftail": (128, BF16, False, None, False, 1, True, 0, True)}
 
 
 @pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
@@ -142,7 +150,7 @@ def test_qk_and_pv_stay_in_flight(compiled, name):
     num_stages >= 1 (`jagged_fwd.NUM_STAGES`); the half-tail kernel's half-width tiles add their own
     pair."""
     cfg = BENCHMARK_CONFIGS[name]
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
     assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == (4 if half_tail else 2)
 
 
@@ -159,6 +167,19 @@ def test_bad_config_raises():
         jagged_fwd.kernel_config(128, torch.bfloat16, window=8, selection_width=16)
     with pytest.raises(ValueError, match="FP8"):
         jagged_fwd.kernel_config(128, FP8, heads_per_tile=2)
+    with pytest.raises(ValueError, match="short-key"):
+        jagged_fwd.kernel_config(128, torch.bfloat16, selection_width=16, short_kv=True)
+    with pytest.raises(ValueError, match="short-key"):
+        jagged_fwd.kernel_config(128, FP8, short_kv=True)
+
+
+def test_short_kv_tuning_applies_where_it_has_an_entry():
+    """Short key sequences take SHORT_KV_TUNING's entry for their key; other keys keep TUNING's."""
+    for key, entry in jagged_fwd.TUNING.items():
+        config = jagged_fwd.kernel_config(key[0], torch.bfloat16, heads_per_tile=key[1], short_kv=True)
+        expected = jagged_fwd.SHORT_KV_TUNING.get(key, entry)
+        assert {name: config[name] for name in expected} == expected
+    assert jagged_fwd.kernel_config(128, torch.bfloat16, short_kv=True)["BLOCK_N"] == 64
 
 
 def test_fp8_fork_multiplies_in_fp8(compiled):

@@ -89,8 +89,18 @@ TUNING = {
     (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
     (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
 }
+# Short key sequences: when the keys average at most SHORT_KV_MEAN_LEN per sequence, a tile streams
+# one to three 128-key tiles, and what of a tile does not overlap (the peeled first QK^T, the last
+# P·V, the padding of the last key tile) is a large share of its work. 64-key tiles in a ring twice
+# as deep (the same shared memory, no spills) make each of those half as long. Measured on the
+# H200 against TUNING, same process, 3 rotating rounds (results/fwd-short-kv-tuning-*): GEM L=256
+# s=0.5 (mean 126 keys) +8.5%, L=256 s=1 (256) +4.8%, L=512 s=0.5 (253) +4.4%; at a mean of 512 or
+# more they lost (L=512 s=1 -7%, L=1024 s=0.5 -4%, L=1024 s=1 -13%, dense -10%, PMA q=256 -1.5%).
+# The bound sits between the two. The mean is total keys over sequences: no GPU->host sync.
+SHORT_KV_TUNING = {(128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=4, CONSUMER_REGISTERS=240)}
+SHORT_KV_MEAN_LEN = 384
 # Half last tiles (HALF_TAIL) are compiled in when no KV sequence is longer than this, i.e. at most
-# two key tiles, where half a tile is a quarter or more of the work. Measured on the H200 against
+# two 128-key tiles, where half a tile is a quarter or more of the work. Measured on the H200 against
 # whole last tiles, same process, alternating rounds (results/fwd-half-tail-ab-*): GEM L=256 s=0.5
 # +8-9% in both runs (every round faster); at L=512 s=0.5 +1% and L=1024 s=0.5 -0.5% (8 rounds),
 # while L=512 s=1 and dense, which have no partial tile, ran 2.6% and 1.5% slower with the path
@@ -551,8 +561,11 @@ def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                   window: int | None = None, broadcast_q: bool = False,
                   heads_per_tile: int = 1, entry_major: bool = False, half_tail: bool = False,
-                  selection_width: int = 0) -> dict:
+                  selection_width: int = 0, short_kv: bool = False) -> dict:
     """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
+
+    `short_kv` (keys average at most SHORT_KV_MEAN_LEN per sequence) takes SHORT_KV_TUNING's entry
+    where it has one.
 
     `selection_width` > 0 compiles the block-sparse fork: the padded width of the canonical block
     selection (`jfa.sparse`), a power of two. An FP8 `dtype` (E4M3) compiles the FP8 fork: FP8
@@ -564,32 +577,36 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
         raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
     if heads_per_tile not in (1, 2):
         raise ValueError(f"heads_per_tile must be 1 or 2, got {heads_per_tile}")
-    if dtype == FP8_DTYPE and (heads_per_tile != 1 or half_tail):
-        raise ValueError("the FP8 forward takes one head per tile and no half last tiles")
+    if dtype == FP8_DTYPE and (heads_per_tile != 1 or half_tail or short_kv):
+        raise ValueError("the FP8 forward takes one head per tile, no half last tiles and no short-key tuning")
     if selection_width:
         if selection_width & (selection_width - 1):
             raise ValueError(f"selection_width must be a power of two, got {selection_width}")
         # One selection per query head and per 128-row query block: both consumers of a tile walk
         # the same list, so a tile is one head's query block; no window (its bulk is not a prefix).
-        if heads_per_tile != 1 or window is not None or broadcast_q or half_tail:
+        # Its key tiles are the selection's blocks (specs.BLOCK_SPARSE_BLOCK keys), so no short-key tuning.
+        if heads_per_tile != 1 or window is not None or broadcast_q or half_tail or short_kv:
             raise ValueError("the block-sparse forward takes one head per tile and no window, "
-                             "broadcast-Q or half last tiles")
+                             "broadcast-Q, half last tiles or short-key tuning")
+    key = (head_dim, heads_per_tile)
+    tuning = SHORT_KV_TUNING.get(key, TUNING[key]) if short_kv else TUNING[key]
     return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
                 ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
                 BLOCK_SPARSE=selection_width > 0, SEL_WIDTH=max(selection_width, 1),
-                FP8=dtype == FP8_DTYPE, **TUNING[(head_dim, heads_per_tile)])
+                FP8=dtype == FP8_DTYPE, **tuning)
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1,
-                 entry_major: bool = False, half_tail: bool = False, selection_width: int = 0):
+                 entry_major: bool = False, half_tail: bool = False, selection_width: int = 0,
+                 short_kv: bool = False):
     """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                                heads_per_tile=heads_per_tile, entry_major=entry_major,
-                               half_tail=half_tail, selection_width=selection_width)
+                               half_tail=half_tail, selection_width=selection_width, short_kv=short_kv)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
     tail_box = f"tensordesc<{name}[{constexprs['BLOCK_N'] // 2}, {head_dim}]>"
@@ -614,6 +631,11 @@ def is_supported(q: torch.Tensor) -> bool:
     """True when this kernel can run q's problem here: a Hopper GPU, a supported dtype and head_dim."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.dtype in specs.SUPPORTED_DTYPES + (FP8_DTYPE,) and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
+
+
+def is_short_kv(total_keys: int, num_seqs: int) -> bool:
+    """True when the keys average at most SHORT_KV_MEAN_LEN per sequence (SHORT_KV_TUNING applies)."""
+    return total_keys <= SHORT_KV_MEAN_LEN * num_seqs
 
 
 def _num_sms(device: torch.device) -> int:
@@ -700,10 +722,12 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         return out, lse
 
     pairing = 1 if selection is not None or fp8 else heads_per_tile(max_seq_len_q, q_heads)
+    plain = selection is None and not fp8  # the forks keep their own key tiles
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window,
                            broadcast_q=broadcast_q, heads_per_tile=pairing,
-                           half_tail=selection is None and not fp8 and max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN,
-                           selection_width=0 if selection is None else selection.width)
+                           half_tail=plain and max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN,
+                           selection_width=0 if selection is None else selection.width,
+                           short_kv=plain and is_short_kv(k.shape[0], num_seqs))
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
                                        block_m=tile_rows(pairing), block_n=config["BLOCK_N"],

@@ -93,6 +93,16 @@ SELF_CASES = {
     "window200": dict(lengths=random_lengths(12, 1, 2500, seed=5), window=200),
     "window0": dict(lengths=[129, 300], window=0),
     "causal_window": dict(lengths=EDGE_LENGTHS + [1031], causal=True, window=100),
+    # EDGE_LENGTHS average 114 keys: at D=128 those cases run the short-key tiles
+    # (`jagged_fwd.SHORT_KV_TUNING`); one long sequence puts the same edges on 128-key tiles.
+    "edge_lengths_long_tiles": dict(lengths=EDGE_LENGTHS + [4096]),
+    "causal_long_tiles": dict(lengths=EDGE_LENGTHS + [4096], causal=True),
+    "window32_long_tiles": dict(lengths=EDGE_LENGTHS + [4096], window=32, heads_q=8, heads_kv=4),
+    # short keys with half last tiles (no sequence over jagged_fwd.HALF_TAIL_MAX_KV_LEN)
+    "short_kv_half_tail": dict(lengths=[0, 1, 31, 32, 33, 63, 64, 65, 97, 127, 128, 129, 200, 255, 256]),
+    "short_kv_half_tail_causal_window_gqa": dict(lengths=[256, 33, 0, 129, 97, 200, 64], causal=True,
+                                                 window=40, heads_q=8, heads_kv=2),
+    "short_kv_fp16": dict(lengths=random_lengths(40, 1, 512, seed=9), dtype=torch.float16),
     # every query <= 64 rows: two heads per tile (one per consumer)
     "short_paired": dict(lengths=[0, 1, 63, 64, 2, 33] + random_lengths(20, 0, 64, seed=8)),
     "short_paired_causal_window_gqa": dict(lengths=[64, 1, 0, 40, 63], causal=True, window=9,
@@ -106,6 +116,8 @@ SELF_CASES = {
 def test_self_attention(name):
     case = dict(SELF_CASES[name])
     lengths = case.pop("lengths")
+    if name.endswith("long_tiles") or name.startswith("short_kv"):  # the path the name promises
+        assert jagged_fwd.is_short_kv(sum(lengths), len(lengths)) == name.startswith("short_kv")
     run_case(lengths, lengths, seed=zlib.crc32(name.encode()), **case)
 
 
