@@ -44,7 +44,8 @@ CONFIGS = [
 # (head_dim, dtype, causal, window, broadcast_q, shape): the deterministic dQ kernel, both shapes.
 DQ_CASES = [(128, BF16, False, None, False, "long"), (128, BF16, False, None, False, "short"),
             (64, FP16, True, 32, False, "long"), (64, FP16, True, 32, False, "short"),
-            (128, BF16, False, None, True, "long"), (128, BF16, True, 32, True, "short")]
+            (128, BF16, False, None, True, "long"), (128, BF16, True, 32, True, "short"),
+            (64, BF16, False, None, False, "long-d64"), (64, BF16, True, 32, True, "long-d64")]
 # The block-sparse forks (separate dQ, no window or broadcast-Q): (head_dim, dtype, causal, selection
 # width) for the dK/dV kernel, and the same plus the shape for the dQ kernel.
 SPARSE_CASES = [(128, BF16, False, 16), (64, FP16, True, 4)]
@@ -300,7 +301,8 @@ def test_deterministic_dq_kernel_interpreted_matches_reference():
 
 
 def test_dq_kernel_shape_follows_mean_sequence_lengths():
-    """Many query rows and many keys per sequence get the 128-row dQ blocks, the rest the 64-row ones."""
+    """Many query rows and many keys per sequence get the 128-row dQ blocks, the rest the 64-row ones
+    (at D=64, many query rows)."""
     rows, keys = jagged_bwd.DQ_LONG_MIN_MEAN_ROWS, jagged_bwd.DQ_LONG_MIN_MEAN_KEYS
     b = 1152
     assert jagged_bwd.dq_config(b * 128, b * 128, b, broadcast_q=False) == "short"  # GEM L=256, s=0.5
@@ -311,6 +313,10 @@ def test_dq_kernel_shape_follows_mean_sequence_lengths():
     assert jagged_bwd.dq_config(64, b * 1024, b, broadcast_q=True) == "short"  # PMA q=64: rows = q_len
     assert jagged_bwd.dq_config(256, b * 1024, b, broadcast_q=True) == "long"  # PMA q=256
     assert jagged_bwd.dq_config(0, 0, 0, broadcast_q=False) == "short"
-    assert set(jagged_bwd.DQ_CONFIGS) == {"short", "long"}
+    # D=64: the 4-warp 128-row shape from the mean query rows alone
+    assert jagged_bwd.dq_config(b * 256, b * 256, b, broadcast_q=False, head_dim=64) == "long-d64"  # L=256, s=1
+    assert jagged_bwd.dq_config(b * 128, b * 128, b, broadcast_q=False, head_dim=64) == "short"  # L=256, s=0.5
+    assert jagged_bwd.dq_config(256, b * 100, b, broadcast_q=True, head_dim=64) == "long-d64"
+    assert set(jagged_bwd.DQ_CONFIGS) == {"short", "long", "long-d64"}
     with pytest.raises(ValueError, match="config must be one of"):
         jagged_bwd.dq_inspect_spec(config="medium")

@@ -99,11 +99,18 @@ NUM_STAGES = 1
 # barely fills, and the 64-row shape wins (GEM L=256 s=1 0.81 against 0.86 ms, L=512 s=0.5 1.11
 # against 1.18 ms). Both walk masked head tiles, mask-free bulk tiles, masked tail tiles; the
 # mask-free bulk alone is worth 9% on the dense case (3.21 -> 2.93 ms in the probe).
+# At D=64 the 128-row blocks run best with 4 warps (32 rows each; at D=128 that shape took twice as
+# long, dense 5.9 against 3.0 ms), and they pay from a mean of 192 query rows whatever the keys:
+# dense D=64 1.93 -> 1.56 ms, GEM D=64 H=8 L=256 s=1 1.12 -> 0.92 (short), L=512 s=0.5 1.50 -> 1.28
+# (short), L=1024 s=1 10.0 -> 8.6, L=2048 s=1 35.7 -> 30.4; at L=256 s=0.5 (mean 126 rows) 0.59
+# against the short shape's 0.58 (results/dq-configs-d64-*).
 DQ_CONFIGS = {
     "short": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     "long": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "long-d64": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
 }
-# "long" from these mean query rows and mean keys per sequence on (1.5 of its query blocks; 6 key tiles)
+# "long" from these mean query rows and mean keys per sequence on (1.5 of its query blocks; 6 key
+# tiles); "long-d64" from the rows alone
 DQ_LONG_MIN_MEAN_ROWS = 192
 DQ_LONG_MIN_MEAN_KEYS = 384
 DELTA_BLOCK_ROWS = 64  # rows per program of the Delta preprocess
@@ -598,13 +605,16 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")
 
 
-def dq_config(q_rows: int, kv_rows: int, num_seqs: int, broadcast_q: bool) -> str:
-    """The dQ kernel shape (a DQ_CONFIGS key) from the mean query rows and keys per sequence.
+def dq_config(q_rows: int, kv_rows: int, num_seqs: int, broadcast_q: bool, head_dim: int = 128) -> str:
+    """The dQ kernel shape (a DQ_CONFIGS key) from the head dim and the mean query rows and keys per
+    sequence.
 
     Computed from the tensors' sizes on the host: no device sync on the hot path.
     """
     seqs = max(num_seqs, 1)
     mean_rows = q_rows if broadcast_q else q_rows / seqs
+    if head_dim == 64:
+        return "long-d64" if mean_rows >= DQ_LONG_MIN_MEAN_ROWS else "short"
     long = mean_rows >= DQ_LONG_MIN_MEAN_ROWS and kv_rows / seqs >= DQ_LONG_MIN_MEAN_KEYS
     return "long" if long else "short"
 
@@ -769,7 +779,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     dq_target = (torch.empty((num_seqs, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
                  if broadcast_q else dq)
     launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_seq_len_q, sm_scale, causal, window,
-              broadcast_q, dq_config(q.shape[0], k.shape[0], num_seqs, broadcast_q), selection)
+              broadcast_q, dq_config(q.shape[0], k.shape[0], num_seqs, broadcast_q, head_dim), selection)
     if broadcast_q:
         dq.copy_(dq_target.sum(0))
     return dq, dk, dv

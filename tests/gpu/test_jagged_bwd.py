@@ -116,6 +116,10 @@ SELF_CASES = {
     "causal_window200_long": dict(lengths=LONG_LENGTHS, causal=True, window=200, heads_q=2, heads_kv=2),
     "gqa2": dict(lengths=EDGE_LENGTHS, heads_q=8, heads_kv=4),
     "gqa4_causal_d64": dict(lengths=EDGE_LENGTHS, heads_q=8, heads_kv=2, head_dim=64, causal=True),
+    # long D=64 sequences: the dQ kernel's "long-d64" shape (jagged_bwd.dq_config)
+    "long_d64": dict(lengths=LONG_LENGTHS, heads_q=2, heads_kv=2, head_dim=64),
+    "random_d64_causal_window_gqa2": dict(lengths=random_lengths(16, 1, 1500, seed=6), heads_q=4, heads_kv=2,
+                                          head_dim=64, causal=True, window=100),
     "gqa8_window": dict(lengths=EDGE_LENGTHS, heads_q=8, heads_kv=1, window=40),
 }
 
@@ -176,6 +180,7 @@ DETERMINISTIC_CASES = {
     "gqa4_causal_window": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS, heads_q=8, heads_kv=2, causal=True,
                                window=50),
     "pma_q64": dict(q_lens=[64] * 30, kv_lens=random_lengths(30, 0, 700, seed=4), broadcast_q=True),
+    "long_d64": dict(q_lens=LONG_LENGTHS, kv_lens=LONG_LENGTHS, heads_q=2, heads_kv=2, head_dim=64),
 }
 
 
