@@ -23,7 +23,8 @@ RANDOM_SETS = 60
 # (BLOCK_M, BLOCK_N) of the kernels' configurations: each flag combination compiles its own builder
 FWD_BLOCKS = ((128, 128), (64, 128), (64, 64))
 BWD_BLOCKS = ((64, 128),)
-BUILD_BUDGET_MS = 0.1  # the forward's rebuild, GEM L=256 s=0.5, B=1152 (it was 0.3-0.95 ms)
+BUILD_BUDGET_MS = 0.25  # the forward's rebuild, GEM L=256 s=0.5, B=1152 (it was 0.3-0.95 ms)
+BUILD_MIN_SPEEDUP = 3.0  # over the torch-ops build of the same list, timed in the same process
 POISON = -0x2A2A2A2A
 
 
@@ -99,7 +100,11 @@ def test_device_builders_equal_torch_builders():
 # The GPU test run spreads tests over several processes that share the one GPU, so a timing can
 # land while another worker's kernels hold it: twice in ten runs the rebuild measured over budget
 # (0.120 ms, 0.106 ms) with no change to the schedule code. The least contended of a few
-# measurements is taken as the build's.
+# measurements is taken as the build's. The host's launch speed also moves between processes: one
+# process alone on the H200 measured 49.6 us for the build (318 us by torch ops), the next, started
+# right after it, 121.9 us (582 us), the block table 17.9 then 57.2 us. So the build is held to a
+# speedup over the torch ops timed beside it (3.9-6.4x in those runs) and to a loose absolute bound
+# that the old path (0.3-0.95 ms) would break.
 BUILD_TIMING_TRIES = 3
 
 
@@ -112,15 +117,16 @@ def _median_build_ms(build) -> float:
 
 
 def test_gem_rebuild_time():
-    """Rebuilding the lists for GEM L=256 s=0.5, B=1152: the forward's must stay under 0.1 ms."""
+    """Rebuilding the lists for GEM L=256 s=0.5, B=1152: the forward's must stay well under the torch
+    ops' build and under BUILD_BUDGET_MS."""
     from jfa.kernels import jagged_fwd
 
     lengths = gem_lengths(specs.GEM_BATCH, 256, 0.5, seed=specs.BENCH_SEED).tolist()
     offsets = _offsets(lengths).cuda()
     longest = max(lengths)
     pairing = jagged_fwd.heads_per_tile(longest, specs.GEM_HEADS)
-    block_n = jagged_fwd.kernel_config(specs.GEM_HEAD_DIM, torch.bfloat16,
-                                       heads_per_tile=pairing)["BLOCK_N"]
+    block_n = jagged_fwd.kernel_config(specs.GEM_HEAD_DIM, torch.bfloat16, heads_per_tile=pairing,
+                                       short_kv=jagged_fwd.is_short_kv(sum(lengths), len(lengths)))["BLOCK_N"]
     fwd_ms = _median_build_ms(lambda: schedule.build_tile_schedule(
         offsets, offsets, max_seq_len_q=longest, block_m=jagged_fwd.tile_rows(pairing),
         block_n=block_n, causal=False, window=None, broadcast_q=False, max_seq_len_kv=longest))
@@ -135,3 +141,4 @@ def test_gem_rebuild_time():
           f"fwd {fwd_ms * 1e3:.1f} us (torch ops {torch_ms * 1e3:.1f} us), "
           f"bwd {bwd_ms * 1e3:.1f} us, block table {table_ms * 1e3:.1f} us")
     assert fwd_ms < BUILD_BUDGET_MS
+    assert torch_ms / fwd_ms >= BUILD_MIN_SPEEDUP, (fwd_ms, torch_ms)
