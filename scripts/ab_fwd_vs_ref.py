@@ -10,6 +10,7 @@ are the benchmark harness's (`jfa.bench`); the two versions' outputs are also co
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 
 import torch
@@ -22,7 +23,7 @@ SUITES = "pma,gem,dense"  # any of specs.BENCH_SUITES whose problems the plain f
 
 
 def load_reference(path: str):
-    spec = importlib.util.spec_from_file_location("jagged_fwd_ref", path)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
