@@ -144,14 +144,14 @@ def test_benchmark_configurations_do_not_spill(compiled, name):
 
 @pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
 def test_qk_and_pv_stay_in_flight(compiled, name):
-    """The KV loop waits for QK^T only after issuing P·V, as written: no wait for every wgmma right
-    after an issue except the kernel's own two, after the peeled first tile's QK^T (nothing to hide
-    behind) and after the last tile's P·V. Triton's pipeliner adds one after every wgmma at
-    num_stages >= 1 (`jagged_fwd.NUM_STAGES`); the half-tail kernel's half-width tiles add their own
-    pair."""
+    """The KV loop waits for QK^T only after issuing P·V, as written: the only waits for every wgmma
+    right after an issue are each consumer's drain, the last tile's P·V with nothing left to hide it
+    (two with half last tiles: the half tile's own). Triton's pipeliner adds one after every wgmma at
+    num_stages >= 1 (`jagged_fwd.NUM_STAGES`)."""
     cfg = BENCHMARK_CONFIGS[name]
     head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
-    assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == (4 if half_tail else 2)
+    drains = 2 if half_tail else 1
+    assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == jagged_fwd.NUM_CONSUMERS.value * drains
 
 
 def test_bad_config_raises():
