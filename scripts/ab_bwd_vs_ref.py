@@ -8,14 +8,12 @@ backward). Both versions get the same forward output, LSE and upstream gradient;
     python scripts/ab_bwd_vs_ref.py /tmp/jagged_bwd_ref.py OUT.json [--rounds N] [--suites gem,pma,dense]
         [--head-dim 64]                                                        (GPU host, .gpu-bundle)
 """
-import argparse
-import json
 import statistics
 
 import torch
-from ab_fwd_vs_ref import DEVICE, SUITES, load_reference
+from ab_fwd_vs_ref import DEVICE, ab_parser, load_reference, run_ab
 
-from jfa import bench, envinfo, specs
+from jfa import bench, specs
 from jfa.kernels import jagged_bwd, jagged_fwd
 
 
@@ -49,27 +47,14 @@ def run_case(case, versions, rounds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("reference", help="a copy of another version's jfa/kernels/jagged_bwd.py")
-    parser.add_argument("out")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--suites", default=SUITES)
+    parser = ab_parser(__doc__, "jfa/kernels/jagged_bwd.py", 3)
     parser.add_argument("--head-dim", type=int, choices=specs.SUPPORTED_HEAD_DIMS, default=None)
     args = parser.parse_args()
-    versions = {"this": jagged_bwd, "ref": load_reference(args.reference)}
-    rows = []
-    for suite in args.suites.split(","):
-        for case in specs.BENCH_SUITES[suite]:
-            row = run_case(at_head_dim(case, args.head_dim or case["head_dim"]), versions, args.rounds)
-            ratio = row["tflops_median"]["this"] / row["tflops_median"]["ref"]
-            print(f"{row['case']:<32} this {row['tflops_median']['this']:6.1f}  ref {row['tflops_median']['ref']:6.1f}"
-                  f"  x{ratio:.3f}  bitwise equal {row['bitwise_equal']}", flush=True)
-            rows.append(row)
-            torch.cuda.empty_cache()
-    doc = dict(kind="same-process A/B of the jagged backward against another version", reference=args.reference,
-               env=envinfo.environment(), rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    cases = [at_head_dim(case, args.head_dim or case["head_dim"])
+             for suite in args.suites.split(",") for case in specs.BENCH_SUITES[suite]]
+    run_ab(args, {"this": jagged_bwd, "ref": load_reference(args.reference)}, cases, run_case,
+           lambda row: f"bitwise equal {row['bitwise_equal']}",
+           "same-process A/B of the jagged backward against another version")
 
 
 if __name__ == "__main__":

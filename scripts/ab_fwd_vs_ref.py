@@ -50,27 +50,37 @@ def run_case(case, versions, rounds):
     return result
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("reference", help="a copy of another version's jfa/kernels/jagged_fwd.py")
-    parser.add_argument("out")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--suites", default=SUITES)
-    args = parser.parse_args()
-    versions = {"this": jagged_fwd, "ref": load_reference(args.reference)}
+def run_ab(args, versions, cases, run_case, details, kind):
+    """Time every case with `run_case`, print each row's ratio and `details(row)`, write OUT."""
     rows = []
-    for suite in args.suites.split(","):
-        for case in specs.BENCH_SUITES[suite]:
-            row = run_case(case, versions, args.rounds)
-            ratio = row["tflops_median"]["this"] / row["tflops_median"]["ref"]
-            print(f"{row['case']:<32} this {row['tflops_median']['this']:6.1f}  ref {row['tflops_median']['ref']:6.1f}"
-                  f"  x{ratio:.3f}  relerr {row['relerr_vs_ref']}  diff {row['max_abs_diff']:.2e}", flush=True)
-            rows.append(row)
-            torch.cuda.empty_cache()
-    doc = dict(kind="same-process A/B of the jagged forward against another version", reference=args.reference,
-               env=envinfo.environment(), rows=rows)
+    for case in cases:
+        row = run_case(case, versions, args.rounds)
+        ratio = row["tflops_median"]["this"] / row["tflops_median"]["ref"]
+        print(f"{row['case']:<32} this {row['tflops_median']['this']:6.1f}  ref {row['tflops_median']['ref']:6.1f}"
+              f"  x{ratio:.3f}  {details(row)}", flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    doc = dict(kind=kind, reference=args.reference, env=envinfo.environment(), rows=rows)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
+
+
+def ab_parser(doc: str, module_path: str, rounds: int) -> argparse.ArgumentParser:
+    """The A/B scripts' common arguments: the reference copy of `module_path`, OUT, rounds, suites."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("reference", help=f"a copy of another version's {module_path}")
+    parser.add_argument("out")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--suites", default=SUITES)
+    return parser
+
+
+def main():
+    args = ab_parser(__doc__, "jfa/kernels/jagged_fwd.py", 4).parse_args()
+    cases = [case for suite in args.suites.split(",") for case in specs.BENCH_SUITES[suite]]
+    run_ab(args, {"this": jagged_fwd, "ref": load_reference(args.reference)}, cases, run_case,
+           lambda row: f"relerr {row['relerr_vs_ref']}  diff {row['max_abs_diff']:.2e}",
+           "same-process A/B of the jagged forward against another version")
 
 
 if __name__ == "__main__":
