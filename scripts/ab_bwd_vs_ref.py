@@ -11,17 +11,10 @@ backward). Both versions get the same forward output, LSE and upstream gradient;
 import statistics
 
 import torch
-from ab_fwd_vs_ref import DEVICE, ab_parser, load_reference, run_ab
+from ab_fwd_vs_ref import DEVICE, ab_parser, load_reference, run_ab, suite_cases
 
 from jfa import bench, specs
 from jfa.kernels import jagged_bwd, jagged_fwd
-
-
-def at_head_dim(case: dict, head_dim: int) -> dict:
-    if head_dim == case["head_dim"]:
-        return case
-    heads = case["heads"] * case["head_dim"] // head_dim
-    return dict(case, head_dim=head_dim, heads=heads, case=f"{case['case']},D={head_dim},H={heads}")
 
 
 def run_case(case, versions, rounds):
@@ -47,12 +40,8 @@ def run_case(case, versions, rounds):
 
 
 def main():
-    parser = ab_parser(__doc__, "jfa/kernels/jagged_bwd.py", 3)
-    parser.add_argument("--head-dim", type=int, choices=specs.SUPPORTED_HEAD_DIMS, default=None)
-    args = parser.parse_args()
-    cases = [at_head_dim(case, args.head_dim or case["head_dim"])
-             for suite in args.suites.split(",") for case in specs.BENCH_SUITES[suite]]
-    run_ab(args, {"this": jagged_bwd, "ref": load_reference(args.reference)}, cases, run_case,
+    args = ab_parser(__doc__, "jfa/kernels/jagged_bwd.py", 3).parse_args()
+    run_ab(args, {"this": jagged_bwd, "ref": load_reference(args.reference)}, suite_cases(args), run_case,
            lambda row: f"bitwise equal {row['bitwise_equal']}",
            "same-process A/B of the jagged backward against another version")
 

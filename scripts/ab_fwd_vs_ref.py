@@ -5,6 +5,7 @@ are the benchmark harness's (`jfa.bench`); the two versions' outputs are also co
 
     git show main:jfa/kernels/jagged_fwd.py > /tmp/jagged_fwd_ref.py
     python scripts/ab_fwd_vs_ref.py /tmp/jagged_fwd_ref.py OUT.json [--rounds N] [--suites pma,gem,dense,fp8]
+        [--head-dim 64]
     (GPU host, .gpu-bundle)
 """
 import argparse
@@ -20,6 +21,14 @@ from jfa.kernels import jagged_fwd
 
 DEVICE = "cuda"
 SUITES = "pma,gem,dense"  # any of specs.BENCH_SUITES whose problems the plain forward call runs (not block kinds)
+
+
+def at_head_dim(case: dict, head_dim: int | None) -> dict:
+    """`case` at another head dim with the heads scaled to keep the work per token (None: as is)."""
+    if head_dim is None or head_dim == case["head_dim"]:
+        return case
+    heads = case["heads"] * case["head_dim"] // head_dim
+    return dict(case, head_dim=head_dim, heads=heads, case=f"{case['case']},D={head_dim},H={heads}")
 
 
 def load_reference(path: str):
@@ -72,13 +81,18 @@ def ab_parser(doc: str, module_path: str, rounds: int) -> argparse.ArgumentParse
     parser.add_argument("out")
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--suites", default=SUITES)
+    parser.add_argument("--head-dim", type=int, choices=specs.SUPPORTED_HEAD_DIMS, default=None,
+                        help="run the suites' cases at this head dim, with the heads scaled to keep the work")
     return parser
+
+
+def suite_cases(args) -> list[dict]:
+    return [at_head_dim(case, args.head_dim) for suite in args.suites.split(",") for case in specs.BENCH_SUITES[suite]]
 
 
 def main():
     args = ab_parser(__doc__, "jfa/kernels/jagged_fwd.py", 4).parse_args()
-    cases = [case for suite in args.suites.split(",") for case in specs.BENCH_SUITES[suite]]
-    run_ab(args, {"this": jagged_fwd, "ref": load_reference(args.reference)}, cases, run_case,
+    run_ab(args, {"this": jagged_fwd, "ref": load_reference(args.reference)}, suite_cases(args), run_case,
            lambda row: f"relerr {row['relerr_vs_ref']}  diff {row['max_abs_diff']:.2e}",
            "same-process A/B of the jagged forward against another version")
 
