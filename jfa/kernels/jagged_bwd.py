@@ -77,9 +77,14 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # dense 7.76 -> 7.22 ms, GEM L=2048 s=1 70.1 -> 66.1, PMA q=256 6.30 -> 5.70); deeper Q/dO rings
 # gained nothing. The fused dQ modes have room for one K/V slot only: tma_reduce stages 2x32 KB of
 # fp32 dQ, and the atomic mode's layout change for its atomics takes as much compiler scratch.
+# MASK_FREE_BULK: the query blocks that see every key of a consumer's tile run a step without mask
+# arithmetic (masked blocks, bulk, masked blocks). At D=64, where the dK/dV kernel's elementwise work
+# sets its pace, that compiles without spills; at D=128 the extra loops made ptxas reload spilled
+# values in every loop, so D=128 keeps the one masked loop.
 TUNING = {
-    64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
-    128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
+    64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True),
+    128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240,
+              MASK_FREE_BULK=False),
 }
 FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1)}  # overrides of TUNING in the atomic and tma_reduce modes
 # The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
@@ -148,6 +153,23 @@ def _visible_keys_by_queries(kv_cols, q_rows, q_len, kv_len, window, CAUSAL: tl.
         visible = visible & (kv_cols[:, None] >= q_rows[None, :] - window)
         visible = visible & (kv_cols[:, None] <= q_rows[None, :] + window)
     return visible
+
+
+@triton.jit
+def _full_block_range(first_key, last_key, first_row, num_blocks, q_len, kv_len, window,
+                      BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(lo, hi): the query blocks i in [lo, hi) of rows first_row + i*BLOCK_M .. + BLOCK_M-1 that see
+    every key first_key..last_key (all rows inside the sequence, the keys inside it, below the
+    causal diagonal and inside the window): their steps need no mask. lo <= hi <= num_blocks."""
+    hi = tl.where(last_key < kv_len, tl.maximum(q_len - first_row, 0) // BLOCK_M, 0)
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(lo, tl.cdiv(tl.maximum(last_key - (kv_len - q_len) - first_row, 0), BLOCK_M))
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, tl.cdiv(tl.maximum(last_key - window - first_row, 0), BLOCK_M))
+        hi = tl.minimum(hi, tl.maximum(first_key + window - first_row + 1, 0) // BLOCK_M)
+    hi = tl.minimum(hi, num_blocks)
+    return tl.minimum(lo, hi), hi
 
 
 @triton.jit
@@ -220,8 +242,9 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stage, desc_d
                      lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, q_row0, window,
                      stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr):
+                     HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, MASKED: tl.constexpr = True):
     """One query block against this consumer's keys: update dK, dV; add its dQ piece (fused modes).
+    MASKED=False where every (key, query) pair of the block is visible (`_full_block_range`).
 
     S^T and dP^T are issued back to back so the second runs on the tensor cores while the first's
     exp2 is computed. The wgmma that reads dS^T from shared memory is waited for before returning,
@@ -232,15 +255,20 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stage, desc_d
     dp_t = tlx.async_dot(v_tile, tlx.local_trans(do_tile))
     q_rows = q_row0 + tl.arange(0, BLOCK_M)
     row_ok = q_rows < q_len
-    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows,
-                  mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows,
-                    mask=row_ok, other=0.0)
+    lse_ptrs = lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows
+    delta_ptrs = delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows
+    if MASKED:
+        lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
     s_t = tlx.async_dot_wait(1, s_t)
-    # tl.where, not a multiply: masked entries may be exp2(+inf) (rows whose LSE is -inf).
     p_t = tl.math.exp2(s_t * qk_scale_log2 - (lse * LOG2E)[None, :])
-    visible = _visible_keys_by_queries(kv_cols, q_rows, q_len, kv_len, window, CAUSAL, HAS_WINDOW)
-    p_t = tl.where(visible, p_t, 0.0)
+    if MASKED:
+        # tl.where, not a multiply: masked entries may be exp2(+inf) (rows whose LSE is -inf).
+        visible = _visible_keys_by_queries(kv_cols, q_rows, q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+        p_t = tl.where(visible, p_t, 0.0)
     dp_t = tlx.async_dot_wait(0, dp_t)
     ds_t = p_t * (dp_t - delta[None, :])
     dv = tlx.async_dot(p_t.to(dtype), do_tile, dv)
@@ -270,6 +298,26 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stage, desc_d
 
 
 @triton.jit
+def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile, ds_stage, dq_stage,
+                      desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
+                      kv_cols, first_row, selected, window, stride_lse_head, stride_delta_head, stride_dq_row,
+                      qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      DQ_MODE: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
+    """The `block`-th streamed query block: wait for its Q/dO slot, run the step, free the slot."""
+    slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
+    tlx.barrier_wait(q_fulls[slot], phase)
+    dk, dv = _consumer_q_step(
+        q_tiles[slot], do_tiles[slot], k_tile, v_tile, ds_stage, dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr,
+        delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
+        _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE), window, stride_lse_head,
+        stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE,
+        MASKED)
+    tlx.barrier_arrive(q_empties[slot], 1)
+    return dk, dv, q_loads + 1
+
+
+@triton.jit
 def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv_row,
                     HEAD_DIM: tl.constexpr):
     """Masked store of a consumer's dK, dV rows (keys past the sequence end are another's)."""
@@ -295,7 +343,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                        HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr,
                        DQ_MODE: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr,
                        NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr,
-                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr):
+                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, MASK_FREE_BULK: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
@@ -393,19 +441,36 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
                             num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
                             BLOCK_SPARSE)
-                        for block in range(head_blocks):
-                            slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
-                            tlx.barrier_wait(q_fulls[slot], phase)
-                            dk, dv = _consumer_q_step(
-                                q_tiles[slot], do_tiles[slot], k_tile, v_tile, ds_stage, dq_stage,
-                                desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0,
-                                kv_len, kv_cols,
-                                _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N,
-                                                 BLOCK_SPARSE), window,
-                                stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2,
-                                sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE)
-                            tlx.barrier_arrive(q_empties[slot], 1)
-                            q_loads += 1
+                        # Masked blocks, the mask-free bulk, masked blocks (MASK_FREE_BULK; else all masked).
+                        bulk_lo, bulk_hi = head_blocks, head_blocks
+                        if MASK_FREE_BULK and not BLOCK_SPARSE:
+                            bulk_lo, bulk_hi = _full_block_range(
+                                col0 + cid * KEYS, col0 + cid * KEYS + KEYS - 1, first_row, head_blocks,
+                                q_len, kv_len, window, BLOCK_M, CAUSAL, HAS_WINDOW)
+                        for block in range(0, bulk_lo):
+                            dk, dv, q_loads = _consumer_q_block(
+                                block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile, ds_stage,
+                                dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start,
+                                q_len, out_row0, kv_len, kv_cols, first_row, selected, window, stride_lse_head,
+                                stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE, BLOCK_SPARSE, True)
+                        if MASK_FREE_BULK and not BLOCK_SPARSE:  # compiled only where it measured faster
+                            for block in range(bulk_lo, bulk_hi):
+                                dk, dv, q_loads = _consumer_q_block(
+                                    block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile,
+                                    ds_stage, dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
+                                    q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window,
+                                    stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
+                                    BLOCK_SPARSE, False)
+                            for block in range(bulk_hi, head_blocks):
+                                dk, dv, q_loads = _consumer_q_block(
+                                    block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile,
+                                    ds_stage, dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
+                                    q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window,
+                                    stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
+                                    BLOCK_SPARSE, True)
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
                     # Store inside the branch: joining the wgmma accumulators with a zero tile
