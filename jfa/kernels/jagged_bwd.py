@@ -79,8 +79,9 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # fp32 dQ, and the atomic mode's layout change for its atomics takes as much compiler scratch.
 # MASK_FREE_BULK: the query blocks that see every key of a consumer's tile run a step without mask
 # arithmetic (masked blocks, bulk, masked blocks). At D=64, where the dK/dV kernel's elementwise work
-# sets its pace, that compiles without spills; at D=128 the extra loops made ptxas reload spilled
-# values in every loop, so D=128 keeps the one masked loop.
+# sets its pace, that compiles without spills and made the whole backward 14-43% faster; at D=128 the
+# extra loops made ptxas reload spilled values in every loop (0.92-1.00x), so D=128 keeps the one
+# masked loop (results/bwd-mask-free-bulk-ab-*).
 TUNING = {
     64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True),
     128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240,
