@@ -150,8 +150,9 @@ def test_qk_and_pv_stay_in_flight(compiled, name):
     num_stages >= 1 (`jagged_fwd.NUM_STAGES`)."""
     cfg = BENCHMARK_CONFIGS[name]
     head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
-    drains = 2 if half_tail else 1
-    assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == jagged_fwd.NUM_CONSUMERS.value * drains
+    consumers = jagged_fwd.kernel_config(head_dim, dtype, heads_per_tile=heads, selection_width=selection_width,
+                                         short_kv=short_kv)["NUM_CONSUMERS"]
+    assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == consumers * (2 if half_tail else 1)
 
 
 def test_bad_config_raises():

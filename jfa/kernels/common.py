@@ -5,9 +5,10 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
 
 - `ring_slot`: which buffer of an N-deep ring a running counter lands in, and the mbarrier phase
   to wait for. Producer and consumer keep the same counter, so they agree without talking.
-- `pingpong_enter` / `pingpong_exit`: the two consumer warpgroups take turns issuing wgmma, so one
-  warpgroup's softmax overlaps the other's matrix multiply instead of both fighting for the tensor
-  cores at once (FlashAttention-3's "ping-pong" schedule).
+- `pingpong_enter` / `pingpong_exit`: the consumer warpgroups take turns issuing wgmma, round robin,
+  so one warpgroup's softmax overlaps the others' matrix multiplies instead of all fighting for the
+  tensor cores at once (FlashAttention-3's "ping-pong" schedule; with three warpgroups, its head-dim
+  64 one).
 - `visible_mask`: which (query, key) pairs of a score tile may attend, in sequence-local positions
   (key padding, bottom-right causal, symmetric window), exactly as docs/CONTRACTS.md defines them.
 - `sequence_rows`: where a sequence's query, output and key rows are in the packed tensors.
@@ -35,9 +36,8 @@ RESCALE_THRESHOLD_LOG2: tl.constexpr = tl.constexpr(8.0)
 
 # Named barriers 0..15 exist per CTA; Triton itself uses low ids, the TLX tutorials use 9 and 10
 # for the ping-pong handshake and so do we.
-PINGPONG_BARRIER_FIRST: tl.constexpr = tl.constexpr(9)
-PINGPONG_BARRIER_SECOND: tl.constexpr = tl.constexpr(10)
-PINGPONG_THREADS: tl.constexpr = tl.constexpr(256)  # two consumer warpgroups of 128 threads
+PINGPONG_BARRIER_FIRST: tl.constexpr = tl.constexpr(9)  # consumer c's turn barrier is FIRST + c
+PINGPONG_THREADS: tl.constexpr = tl.constexpr(256)  # the waiting consumer's and the handing one's 128 threads
 
 
 @triton.jit
@@ -52,28 +52,22 @@ def ring_slot(count, NUM_BUFFERS: tl.constexpr):
 
 
 @triton.jit
-def pingpong_start(cid: tl.constexpr):
-    """Called once by each consumer before its first wgmma: consumer 1 lets consumer 0 go first."""
-    if cid == 1:
+def pingpong_start(cid: tl.constexpr, NUM_CONSUMERS: tl.constexpr = 2):
+    """Called once by each consumer before its first wgmma: the last consumer lets consumer 0 go first."""
+    if cid == NUM_CONSUMERS - 1:
         tlx.named_barrier_arrive(PINGPONG_BARRIER_FIRST, PINGPONG_THREADS)
 
 
 @triton.jit
 def pingpong_enter(cid: tl.constexpr):
-    """Wait for our turn to issue a wgmma (the other consumer has issued its own)."""
-    if cid == 0:
-        tlx.named_barrier_wait(PINGPONG_BARRIER_FIRST, PINGPONG_THREADS)
-    else:
-        tlx.named_barrier_wait(PINGPONG_BARRIER_SECOND, PINGPONG_THREADS)
+    """Wait for our turn to issue a wgmma (the consumer before us, round robin, has issued its own)."""
+    tlx.named_barrier_wait(PINGPONG_BARRIER_FIRST + cid, PINGPONG_THREADS)
 
 
 @triton.jit
-def pingpong_exit(cid: tl.constexpr):
-    """Hand the turn to the other consumer right after issuing (not after completion)."""
-    if cid == 0:
-        tlx.named_barrier_arrive(PINGPONG_BARRIER_SECOND, PINGPONG_THREADS)
-    else:
-        tlx.named_barrier_arrive(PINGPONG_BARRIER_FIRST, PINGPONG_THREADS)
+def pingpong_exit(cid: tl.constexpr, NUM_CONSUMERS: tl.constexpr = 2):
+    """Hand the turn to the next consumer right after issuing (not after completion)."""
+    tlx.named_barrier_arrive(PINGPONG_BARRIER_FIRST + (cid + 1) % NUM_CONSUMERS, PINGPONG_THREADS)
 
 
 @triton.jit

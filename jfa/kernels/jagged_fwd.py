@@ -3,9 +3,9 @@
 Semantics are those of `docs/CONTRACTS.md` (packed `[T, H, D]` sequences, bottom-right causal,
 symmetric window, GQA, broadcast-Q "PMA"). This module holds the kernel and its host wrapper.
 
-Work unit. A *tile* is (sequence b, query block of 128 rows, query head h). Its rows are split
-between two consumer warpgroups of 64 rows each; both stream the same K/V tiles of sequence b's
-visible key range. Short queries (every sequence <= 64 rows, e.g. broadcast-Q with q_len 64) would
+Work unit. A *tile* is (sequence b, query block of 64 x NUM_CONSUMERS rows, query head h). Its
+rows are split between the consumer warpgroups, 64 rows each (two; three at head dim 64, TUNING);
+all stream the same K/V tiles of sequence b's visible key range. Short queries (every sequence <= 64 rows, e.g. broadcast-Q with q_len 64) would
 leave the second consumer with padding only, so there a tile is (b, 64 rows, heads h and h+1):
 each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
 The list of (sequence, query block) entries is built on the GPU (`jfa.schedule`), sorted by KV
@@ -22,10 +22,10 @@ cost more through L2 than it gained (dense 643 -> 566 TFLOP/s).
 Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
 - producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, one half
   per consumer) and of K and V into an N-deep ring, each slot guarded by a `full` mbarrier (the TMA
-  bytes landed) and an `empty` one (both consumers are done with it);
-- two consumers (`replicate=2`, 4 warps each, most registers): QK^T by wgmma, online softmax in
-  registers, P·V by wgmma with P taken from registers. The two take turns issuing wgmma
-  (`common.pingpong_*`): a turn issues QK^T of tile n and P·V of tile n-1 together, and the
+  bytes landed) and an `empty` one (every consumer is done with it);
+- NUM_CONSUMERS consumers (`replicate`, 4 warps each, most registers): QK^T by wgmma, online
+  softmax in registers, P·V by wgmma with P taken from registers. They take turns issuing wgmma,
+  round robin (`common.pingpong_*`): a turn issues QK^T of tile n and P·V of tile n-1 together, and the
   consumer's softmax of tile n runs while its P·V and the other consumer's turn keep the tensor
   cores busy (FlashAttention-3's schedule; see NUM_STAGES for what this needs from Triton).
 
@@ -70,7 +70,6 @@ from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingp
                                 visible_key_range, visible_mask, zigzag_tile, zigzag_turns)
 from jfa.schedule import build_tile_schedule
 
-NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, ping-ponging on the tensor cores
 NUM_Q_BUFFERS: tl.constexpr = tl.constexpr(2)  # the next tile's Q lands while this one computes
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)  # wgmma's unit: 4 warps
 PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
@@ -83,12 +82,17 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # consumers hold a 64x128 fp32 accumulator, the 64x128 scores and P: at 232 registers ptxas spilled
 # inside the KV loop, at 240 (the producer, which only issues TMA, drops to 24) it does not
 # (`jfa.inspect` reports the spill bytes).
+# NUM_CONSUMERS warpgroups ping-pong on the tensor cores, round robin; at D=64 one head per tile a
+# consumer's accumulator is half the size and three fit (160 registers each, FlashAttention-3's
+# 192-row tile for head dim 64). Two heads per tile pair two consumers by definition.
 TUNING = {
-    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232),
-    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240),
-    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
-    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232),
+    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=160, NUM_CONSUMERS=3),
+    (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2),
+    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2),
+    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2),
 }
+# The forks keep two consumers (128-row query blocks: the block-sparse selection's, FP8 not measured).
+TWO_CONSUMERS = dict(CONSUMER_REGISTERS=232, NUM_CONSUMERS=2)
 # Short key sequences: when the keys average at most SHORT_KV_MEAN_LEN per sequence, a tile streams
 # one to three 128-key tiles, and what of a tile does not overlap (the peeled first QK^T, the last
 # P·V, the padding of the last key tile) is a large share of its work. 64-key tiles in a ring twice
@@ -97,7 +101,7 @@ TUNING = {
 # s=0.5 (mean 126 keys) +8.5%, L=256 s=1 (256) +4.8%, L=512 s=0.5 (253) +4.4%; at a mean of 512 or
 # more they lost (L=512 s=1 -7%, L=1024 s=0.5 -4%, L=1024 s=1 -13%, dense -10%, PMA q=256 -1.5%).
 # The bound sits between the two. The mean is total keys over sequences: no GPU->host sync.
-SHORT_KV_TUNING = {(128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=4, CONSUMER_REGISTERS=240)}
+SHORT_KV_TUNING = {(128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=4, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2)}
 SHORT_KV_MEAN_LEN = 384
 # Half last tiles (HALF_TAIL) are compiled in when no KV sequence is longer than this, i.e. at most
 # two 128-key tiles, where half a tile is a quarter or more of the work. Measured on the H200 against
@@ -305,7 +309,7 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
                       cid: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
-                      KEYS: tl.constexpr, FP8: tl.constexpr = False):
+                      KEYS: tl.constexpr, FP8: tl.constexpr = False, CONSUMERS: tl.constexpr = 2):
     """One KV tile of a consumer (its first KEYS keys): issue QK^T(n) and P·V(n-1) in one ping-pong
     turn, then softmax(n).
 
@@ -325,7 +329,7 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
     pingpong_enter(cid)
     qk = tlx.async_dot(q_tile, tlx.local_trans(_first_keys(k_tiles[k_buf], KEYS)))
     acc = tlx.async_dot(p.to(v_tiles.dtype), _values(v_tiles[v_buf], FP8), acc)
-    pingpong_exit(cid)
+    pingpong_exit(cid, CONSUMERS)
 
     qk = tlx.async_dot_wait(1, qk)
     tlx.barrier_arrive(k_empties[k_buf], 1)
@@ -350,7 +354,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                        BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
                        CONSUMER_REGISTERS: tl.constexpr, HALF_TAIL: tl.constexpr,
-                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, FP8: tl.constexpr):
+                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, FP8: tl.constexpr,
+                       NUM_CONSUMERS: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
@@ -430,7 +435,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             replicate=CONSUMERS):
             cid: tl.constexpr = tlx.async_task_replica_id()
             LANE: tl.constexpr = cid if HEADS_PER_TILE == 2 else 0
-            pingpong_start(cid)
+            pingpong_start(cid, CONSUMERS)
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
@@ -469,7 +474,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                     tlx.barrier_wait(k_fulls[k_buf], k_phase)
                     pingpong_enter(cid)
                     qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_buf]))
-                    pingpong_exit(cid)
+                    pingpong_exit(cid, CONSUMERS)
                     qk = tlx.async_dot_wait(0, qk)
                     tlx.barrier_arrive(k_empties[k_buf], 1)
                     cols = _key_tile_col(0, first_col, selected, BLOCK_N,
@@ -487,7 +492,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
                     for n in range(bulk_lo, bulk_hi):
                         col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
                                              BLOCK_SPARSE)
@@ -495,7 +500,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
                     num_steps = num_kv_tiles - half_tail  # key tiles taken whole
                     for n in range(bulk_hi, num_steps):
                         col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
@@ -504,7 +509,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, col0, rows, q_len,
                             kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
+                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
 
                     # Drain: the last tile's P·V; a half last tile multiplies only its half.
                     if HALF_TAIL and half_tail:  # compiled only with HALF_TAIL
@@ -512,7 +517,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                             q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
                             acc, m_i, l_i, kv_count, first_col + num_steps * BLOCK_N,
                             rows, q_len, kv_len, window, qk_scale_log2, cid, True, CAUSAL,
-                            HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8)
+                            HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8,
+                            CONSUMERS)
                         acc = _consumer_drain(p_tail, acc, v_tiles, v_fulls, v_empties, kv_count,
                                               cid, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8)
                     else:
@@ -543,9 +549,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_OUT_DTYPE = specs.FP8_OUT_DTYPE
 
 
-def tile_rows(heads_per_tile: int) -> int:
-    """Query rows of one tile: both consumers' rows of one head, or one consumer's of two heads."""
-    return ROWS_PER_CONSUMER.value * (NUM_CONSUMERS.value // heads_per_tile)
+def tile_rows(heads_per_tile: int, num_consumers: int = 2) -> int:
+    """Query rows of one tile: every consumer's rows of one head, or one consumer's of two heads."""
+    return ROWS_PER_CONSUMER.value * (num_consumers // heads_per_tile)
 
 
 def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
@@ -590,6 +596,8 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                              "broadcast-Q, half last tiles or short-key tuning")
     key = (head_dim, heads_per_tile)
     tuning = SHORT_KV_TUNING.get(key, TUNING[key]) if short_kv else TUNING[key]
+    if (selection_width or dtype == FP8_DTYPE) and tuning["NUM_CONSUMERS"] != 2:
+        tuning = dict(tuning, **TWO_CONSUMERS)
     return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
                 ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
@@ -624,7 +632,8 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
                       num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, name="jagged_fwd",
                       aligned=("stride_out_row",),
-                      role_names=("producer", "consumer0", "consumer1"), target="sm_90")
+                      role_names=("producer",) + tuple(f"consumer{c}" for c in range(constexprs["NUM_CONSUMERS"])),
+                      target="sm_90")
 
 
 def is_supported(q: torch.Tensor) -> bool:
@@ -730,7 +739,7 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
                            short_kv=plain and is_short_kv(k.shape[0], num_seqs))
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
-                                       block_m=tile_rows(pairing), block_n=config["BLOCK_N"],
+                                       block_m=tile_rows(pairing, config["NUM_CONSUMERS"]), block_n=config["BLOCK_N"],
                                        causal=causal, window=window, broadcast_q=broadcast_q,
                                        max_seq_len_kv=max_seq_len_kv)
     config["ENTRY_MAJOR"] = schedule.q_blocks_per_seq == 1
