@@ -5,9 +5,9 @@ symmetric window, GQA, broadcast-Q "PMA"). This module holds the kernel and its 
 
 Work unit. A *tile* is (sequence b, query block of 64 x NUM_CONSUMERS rows, query head h). Its
 rows are split between the consumer warpgroups, 64 rows each (two; three at head dim 64, TUNING);
-all stream the same K/V tiles of sequence b's visible key range. Short queries (every sequence <= 64 rows, e.g. broadcast-Q with q_len 64) would
-leave the second consumer with padding only, so there a tile is (b, 64 rows, heads h and h+1):
-each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
+all stream the same K/V tiles of sequence b's visible key range. Short queries (every sequence
+<= 64 rows, e.g. broadcast-Q with q_len 64) would leave the second consumer with padding only, so
+there a tile is (b, 64 rows, heads h and h+1) for two consumers: each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
 The list of (sequence, query block) entries is built on the GPU (`jfa.schedule`), sorted by KV
 work, longest first, and a persistent grid of one program per SM works through the tiles. Two
 orders (`ENTRY_MAJOR`): head-major, tile t = head (pair) `t // entries`, entry `t % entries`, each
