@@ -21,11 +21,13 @@ from jfa.reference import visible_mask
 from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
 
 BF16, FP16 = torch.bfloat16, torch.float16
-# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail, selection_width, short_kv):
+# (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail, selection_width, short_kv,
+#  long_seqs):
 # every flag combination with one head per tile, a spread of them with two (the short-query mode has
 # its own ring layout), a spread with half last tiles (compiled in for KV sequences of at most 256
 # keys), the block-sparse fork (selection_width > 0; one head per tile, no window or broadcast-Q) and
-# a spread with the short-key tuning (64-key tiles, a 4-deep ring: `jagged_fwd.SHORT_KV_TUNING`).
+# a spread with the short-key tuning (64-key tiles, a 4-deep ring: `jagged_fwd.SHORT_KV_TUNING`) and
+# one with the long-sequence tuning (three consumers at D=64: `jagged_fwd.LONG_TUNING`).
 CONFIGS = [cfg + (1, False) for cfg in itertools.product(specs.SUPPORTED_HEAD_DIMS, specs.SUPPORTED_DTYPES,
                                                          (False, True), (None, 32), (False, True))]
 CONFIGS += [(64, BF16, False, None, True, 2, False), (128, BF16, False, None, True, 2, False),
@@ -45,24 +47,30 @@ CONFIGS = [cfg + (False,) for cfg in CONFIGS]
 CONFIGS += [(128, BF16, False, None, False, 1, False, 0, True), (128, BF16, False, None, False, 1, True, 0, True),
             (128, FP16, True, 32, False, 1, True, 0, True), (128, BF16, False, None, True, 1, True, 0, True),
             (128, BF16, True, None, False, 1, False, 0, True)]
+CONFIGS = [cfg + (False,) for cfg in CONFIGS]
+CONFIGS += [(64, BF16, False, None, False, 1, False, 0, False, True),
+            (64, FP16, True, 32, False, 1, False, 0, False, True),
+            (64, BF16, False, None, True, 1, False, 0, False, True),
+            (64, BF16, True, None, False, 1, True, 0, False, True)]
 
 
 def _config_id(cfg):
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv, long_seqs = cfg
     return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
             f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
             f"{'-2heads' if heads == 2 else ''}{'-halftail' if half_tail else ''}"
-            f"{f'-sparse{selection_width}' if selection_width else ''}{'-shortkv' if short_kv else ''}")
+            f"{f'-sparse{selection_width}' if selection_width else ''}{'-shortkv' if short_kv else ''}"
+            f"{'-long' if long_seqs else ''}")
 
 
 def _compile(cfg) -> dict:
     """Compile one configuration for sm_90; returns what the checks read (picklable)."""
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv, long_seqs = cfg
     # Two heads per tile means every sequence is one query block, where the kernel runs entry-major.
     spec = jagged_fwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                                    broadcast_q=broadcast_q, heads_per_tile=heads, entry_major=heads == 2,
                                    half_tail=half_tail, selection_width=selection_width,
-                                   short_kv=short_kv)
+                                   short_kv=short_kv, long_seqs=long_seqs)
     kernel = jinspect.compile_spec(spec, "sm_90")
     return dict(ptx=kernel.asm["ptx"], cubin=kernel.asm["cubin"], shared=kernel.metadata.shared,
                 wgmma_waits=jinspect.wgmma_waits(kernel.asm["ttgir"]))
@@ -124,11 +132,13 @@ KV_LOOP_LOCAL_ACCESSES = {"gem-d128-halftail": 1, "pma-q256": 1, "block-sparse-d
 BENCHMARK_CONFIGS = {"gem-d128": (128, BF16, False, None, False, 1, False, 0, False),
                      "pma-q256": (128, BF16, False, None, True, 1, False, 0, False),
                      "pma-q64": (128, BF16, False, None, True, 2, False, 0, False),
-                     "dense-d64": (64, BF16, False, None, False, 1, False, 0, False),
+                     "gem-d64": (64, BF16, False, None, False, 1, False, 0, False),
                      "gem-d128-halftail": (128, BF16, False, None, False, 1, True, 0, False),
                      "block-sparse-d128": (128, BF16, False, None, False, 1, False, 16, False),
                      "gem-d128-shortkv": (128, BF16, False, None, False, 1, False, 0, True),
                      "gem-d128-shortkv-halftail": (128, BF16, False, None, False, 1, True, 0, True)}
+BENCHMARK_CONFIGS = {name: cfg + (False,) for name, cfg in BENCHMARK_CONFIGS.items()}
+BENCHMARK_CONFIGS["dense-d64-long"] = (64, BF16, False, None, False, 1, False, 0, False, True)
 
 
 @pytest.mark.parametrize("name", BENCHMARK_CONFIGS)
@@ -149,9 +159,9 @@ def test_qk_and_pv_stay_in_flight(compiled, name):
     (two with half last tiles: the half tile's own). Triton's pipeliner adds one after every wgmma at
     num_stages >= 1 (`jagged_fwd.NUM_STAGES`)."""
     cfg = BENCHMARK_CONFIGS[name]
-    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv = cfg
+    head_dim, dtype, causal, window, broadcast_q, heads, half_tail, selection_width, short_kv, long_seqs = cfg
     consumers = jagged_fwd.kernel_config(head_dim, dtype, heads_per_tile=heads, selection_width=selection_width,
-                                         short_kv=short_kv)["NUM_CONSUMERS"]
+                                         short_kv=short_kv, long_seqs=long_seqs)["NUM_CONSUMERS"]
     assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == consumers * (2 if half_tail else 1)
 
 
@@ -172,6 +182,12 @@ def test_bad_config_raises():
         jagged_fwd.kernel_config(128, torch.bfloat16, selection_width=16, short_kv=True)
     with pytest.raises(ValueError, match="short-key"):
         jagged_fwd.kernel_config(128, FP8, short_kv=True)
+    with pytest.raises(ValueError, match="long-sequence"):
+        jagged_fwd.kernel_config(64, torch.bfloat16, selection_width=16, long_seqs=True)
+    with pytest.raises(ValueError, match="long-sequence"):
+        jagged_fwd.kernel_config(64, FP8, long_seqs=True)
+    with pytest.raises(ValueError, match="long_seqs"):
+        jagged_fwd.kernel_config(64, torch.bfloat16, short_kv=True, long_seqs=True)
 
 
 def test_short_kv_tuning_applies_where_it_has_an_entry():
@@ -181,6 +197,25 @@ def test_short_kv_tuning_applies_where_it_has_an_entry():
         expected = jagged_fwd.SHORT_KV_TUNING.get(key, entry)
         assert {name: config[name] for name in expected} == expected
     assert jagged_fwd.kernel_config(128, torch.bfloat16, short_kv=True)["BLOCK_N"] == 64
+
+
+def test_long_tuning_applies_where_it_has_an_entry():
+    """Long sequences take LONG_TUNING's entry (three consumers at D=64); other keys keep TUNING's."""
+    for key, entry in jagged_fwd.TUNING.items():
+        config = jagged_fwd.kernel_config(key[0], torch.bfloat16, heads_per_tile=key[1], long_seqs=True)
+        expected = jagged_fwd.LONG_TUNING.get(key, entry)
+        assert {name: config[name] for name in expected} == expected
+    assert jagged_fwd.kernel_config(64, torch.bfloat16, long_seqs=True)["NUM_CONSUMERS"] == 3
+    assert jagged_fwd.tile_rows(1, 3) == 192
+
+
+def test_length_classes():
+    """The tunings are chosen from the packed sizes: short keys, long queries and keys, or neither."""
+    mean = jagged_fwd.LONG_MEAN_LEN
+    assert jagged_fwd.is_long(4 * mean, 4 * mean, 4) and not jagged_fwd.is_long(4 * mean - 1, 4 * mean, 4)
+    assert not jagged_fwd.is_long(4 * mean, 4 * mean - 1, 4)  # long queries over shorter keys
+    short = jagged_fwd.SHORT_KV_MEAN_LEN
+    assert jagged_fwd.is_short_kv(3 * short, 3) and not jagged_fwd.is_short_kv(3 * short + 1, 3)
 
 
 def test_fp8_fork_multiplies_in_fp8(compiled):

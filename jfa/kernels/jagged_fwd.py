@@ -4,10 +4,11 @@ Semantics are those of `docs/CONTRACTS.md` (packed `[T, H, D]` sequences, bottom
 symmetric window, GQA, broadcast-Q "PMA"). This module holds the kernel and its host wrapper.
 
 Work unit. A *tile* is (sequence b, query block of 64 x NUM_CONSUMERS rows, query head h). Its
-rows are split between the consumer warpgroups, 64 rows each (two; three at head dim 64, TUNING);
-all stream the same K/V tiles of sequence b's visible key range. Short queries (every sequence
-<= 64 rows, e.g. broadcast-Q with q_len 64) would leave the second consumer with padding only, so
-there a tile is (b, 64 rows, heads h and h+1) for two consumers: each consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
+rows are split between the consumer warpgroups, 64 rows each (two; three for long sequences at
+head dim 64, LONG_TUNING); all stream the same K/V tiles of sequence b's visible key range. Short
+queries (every sequence <= 64 rows, e.g. broadcast-Q with q_len 64) would leave the second consumer
+with padding only, so there a tile is (b, 64 rows, heads h and h+1) for two consumers: each
+consumer takes one head and the K/V ring carries both heads' tiles (HEADS_PER_TILE = 2).
 The list of (sequence, query block) entries is built on the GPU (`jfa.schedule`), sorted by KV
 work, longest first, and a persistent grid of one program per SM works through the tiles. Two
 orders (`ENTRY_MAJOR`): head-major, tile t = head (pair) `t // entries`, entry `t % entries`, each
@@ -25,9 +26,9 @@ Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
   bytes landed) and an `empty` one (every consumer is done with it);
 - NUM_CONSUMERS consumers (`replicate`, 4 warps each, most registers): QK^T by wgmma, online
   softmax in registers, P·V by wgmma with P taken from registers. They take turns issuing wgmma,
-  round robin (`common.pingpong_*`): a turn issues QK^T of tile n and P·V of tile n-1 together, and the
-  consumer's softmax of tile n runs while its P·V and the other consumer's turn keep the tensor
-  cores busy (FlashAttention-3's schedule; see NUM_STAGES for what this needs from Triton).
+  round robin (`common.pingpong_*`): a turn issues QK^T of tile n and P·V of tile n-1 together,
+  and the consumer's softmax of tile n runs while its P·V and the other consumers' turns keep the
+  tensor cores busy (FlashAttention-3's schedule; see NUM_STAGES for what this needs from Triton).
 
 Jagged addressing. q is viewed as a 2-D `[Tq, Hq*D]` tensor and k, v as `[Tk, Hkv*D]`; a TMA box
 is `[rows, D]` at column `head*D`. A box may run past the sequence into the next one (or past the
@@ -82,17 +83,22 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # consumers hold a 64x128 fp32 accumulator, the 64x128 scores and P: at 232 registers ptxas spilled
 # inside the KV loop, at 240 (the producer, which only issues TMA, drops to 24) it does not
 # (`jfa.inspect` reports the spill bytes).
-# NUM_CONSUMERS warpgroups ping-pong on the tensor cores, round robin; at D=64 one head per tile a
-# consumer's accumulator is half the size and three fit (160 registers each, FlashAttention-3's
-# 192-row tile for head dim 64). Two heads per tile pair two consumers by definition.
+# NUM_CONSUMERS warpgroups ping-pong on the tensor cores, round robin (LONG_TUNING has three).
 TUNING = {
-    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=160, NUM_CONSUMERS=3),
+    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2),
     (128, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2),
     (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2),
     (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2),
 }
-# The forks keep two consumers (128-row query blocks: the block-sparse selection's, FP8 not measured).
-TWO_CONSUMERS = dict(CONSUMER_REGISTERS=232, NUM_CONSUMERS=2)
+# Long sequences at D=64: a consumer's accumulator is half the D=128 one and three consumers of 64
+# rows fit (160 registers each, no spills; FlashAttention-3's 192-row tile for head dim 64), so
+# each K/V tile loaded serves 192 query rows instead of 128. Measured on the H200 against TUNING,
+# same process, 3 rounds (results/fwd-d64-three-consumers-ab-*): dense D=64 +14%, GEM D=64 from a
+# mean of 1024 rows +1-11%; on shorter sequences a 192-row tile leaves up to a third of its rows
+# empty (GEM L=256 0.71-0.74x, L=512 s=1 0.90x). So it applies where queries and keys both average
+# at least LONG_MEAN_LEN per sequence (means from the packed sizes: no GPU->host sync).
+LONG_TUNING = {(64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=160, NUM_CONSUMERS=3)}
+LONG_MEAN_LEN = 1024
 # Short key sequences: when the keys average at most SHORT_KV_MEAN_LEN per sequence, a tile streams
 # one to three 128-key tiles, and what of a tile does not overlap (the peeled first QK^T, the last
 # P·V, the padding of the last key tile) is a large share of its work. 64-key tiles in a ring twice
@@ -567,11 +573,11 @@ def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                   window: int | None = None, broadcast_q: bool = False,
                   heads_per_tile: int = 1, entry_major: bool = False, half_tail: bool = False,
-                  selection_width: int = 0, short_kv: bool = False) -> dict:
+                  selection_width: int = 0, short_kv: bool = False, long_seqs: bool = False) -> dict:
     """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
 
-    `short_kv` (keys average at most SHORT_KV_MEAN_LEN per sequence) takes SHORT_KV_TUNING's entry
-    where it has one.
+    `short_kv` (keys average at most SHORT_KV_MEAN_LEN per sequence, `is_short_kv`) takes
+    SHORT_KV_TUNING's entry where it has one; `long_seqs` (`is_long`) takes LONG_TUNING's.
 
     `selection_width` > 0 compiles the block-sparse fork: the padded width of the canonical block
     selection (`jfa.sparse`), a power of two. An FP8 `dtype` (E4M3) compiles the FP8 fork: FP8
@@ -583,21 +589,28 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
         raise TypeError(f"dtype must be one of {list(_TRITON_DTYPE_NAMES)}, got {dtype}")
     if heads_per_tile not in (1, 2):
         raise ValueError(f"heads_per_tile must be 1 or 2, got {heads_per_tile}")
-    if dtype == FP8_DTYPE and (heads_per_tile != 1 or half_tail or short_kv):
-        raise ValueError("the FP8 forward takes one head per tile, no half last tiles and no short-key tuning")
+    if short_kv and long_seqs:
+        raise ValueError("short_kv and long_seqs exclude each other (keys average at most "
+                         f"{SHORT_KV_MEAN_LEN} or at least {LONG_MEAN_LEN}): pass at most one")
+    if dtype == FP8_DTYPE and (heads_per_tile != 1 or half_tail or short_kv or long_seqs):
+        raise ValueError("the FP8 forward takes one head per tile, no half last tiles and no short-key "
+                         "or long-sequence tuning")
     if selection_width:
         if selection_width & (selection_width - 1):
             raise ValueError(f"selection_width must be a power of two, got {selection_width}")
         # One selection per query head and per 128-row query block: both consumers of a tile walk
         # the same list, so a tile is one head's query block; no window (its bulk is not a prefix).
-        # Its key tiles are the selection's blocks (specs.BLOCK_SPARSE_BLOCK keys), so no short-key tuning.
-        if heads_per_tile != 1 or window is not None or broadcast_q or half_tail or short_kv:
+        # Its key tiles are the selection's blocks (specs.BLOCK_SPARSE_BLOCK keys), so no short-key
+        # tuning, and its query blocks are the selection's 128 rows, so two consumers.
+        if heads_per_tile != 1 or window is not None or broadcast_q or half_tail or short_kv or long_seqs:
             raise ValueError("the block-sparse forward takes one head per tile and no window, "
-                             "broadcast-Q, half last tiles or short-key tuning")
+                             "broadcast-Q, half last tiles, short-key or long-sequence tuning")
     key = (head_dim, heads_per_tile)
-    tuning = SHORT_KV_TUNING.get(key, TUNING[key]) if short_kv else TUNING[key]
-    if (selection_width or dtype == FP8_DTYPE) and tuning["NUM_CONSUMERS"] != 2:
-        tuning = dict(tuning, **TWO_CONSUMERS)
+    tuning = TUNING[key]
+    if short_kv:
+        tuning = SHORT_KV_TUNING.get(key, tuning)
+    if long_seqs:
+        tuning = LONG_TUNING.get(key, tuning)
     return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
                 ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
@@ -608,13 +621,14 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1,
                  entry_major: bool = False, half_tail: bool = False, selection_width: int = 0,
-                 short_kv: bool = False):
+                 short_kv: bool = False, long_seqs: bool = False):
     """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                                heads_per_tile=heads_per_tile, entry_major=entry_major,
-                               half_tail=half_tail, selection_width=selection_width, short_kv=short_kv)
+                               half_tail=half_tail, selection_width=selection_width, short_kv=short_kv,
+                               long_seqs=long_seqs)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
     tail_box = f"tensordesc<{name}[{constexprs['BLOCK_N'] // 2}, {head_dim}]>"
@@ -645,6 +659,11 @@ def is_supported(q: torch.Tensor) -> bool:
 def is_short_kv(total_keys: int, num_seqs: int) -> bool:
     """True when the keys average at most SHORT_KV_MEAN_LEN per sequence (SHORT_KV_TUNING applies)."""
     return total_keys <= SHORT_KV_MEAN_LEN * num_seqs
+
+
+def is_long(total_rows: int, total_keys: int, num_seqs: int) -> bool:
+    """True when query rows and keys both average at least LONG_MEAN_LEN per sequence (LONG_TUNING applies)."""
+    return min(total_rows, total_keys) >= LONG_MEAN_LEN * num_seqs
 
 
 def _num_sms(device: torch.device) -> int:
@@ -736,10 +755,12 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
                            broadcast_q=broadcast_q, heads_per_tile=pairing,
                            half_tail=plain and max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN,
                            selection_width=0 if selection is None else selection.width,
-                           short_kv=plain and is_short_kv(k.shape[0], num_seqs))
+                           short_kv=plain and is_short_kv(k.shape[0], num_seqs),
+                           long_seqs=plain and is_long(out_rows, k.shape[0], num_seqs))
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
-                                       block_m=tile_rows(pairing, config["NUM_CONSUMERS"]), block_n=config["BLOCK_N"],
+                                       block_m=tile_rows(pairing, config["NUM_CONSUMERS"]),
+                                       block_n=config["BLOCK_N"],
                                        causal=causal, window=window, broadcast_q=broadcast_q,
                                        max_seq_len_kv=max_seq_len_kv)
     config["ENTRY_MAJOR"] = schedule.q_blocks_per_seq == 1

@@ -103,6 +103,13 @@ SELF_CASES = {
     "short_kv_half_tail_causal_window_gqa": dict(lengths=[256, 33, 0, 129, 97, 200, 64], causal=True,
                                                  window=40, heads_q=8, heads_kv=2),
     "short_kv_fp16": dict(lengths=random_lengths(40, 1, 512, seed=9), dtype=torch.float16),
+    # queries and keys averaging jagged_fwd.LONG_MEAN_LEN or more: at D=64 three consumers, 192-row
+    # tiles (`jagged_fwd.LONG_TUNING`), with sequences ending in each consumer's rows and in none
+    "long3_d64": dict(lengths=[4096, 1000, 2049, 1, 192, 193, 0, 383, 4000, 129], head_dim=64),
+    "long3_d64_causal_window_gqa": dict(lengths=[2048, 191, 1025, 64, 3000], causal=True, window=100,
+                                        heads_q=8, heads_kv=2, head_dim=64),
+    "long3_d64_fp16_causal": dict(lengths=[1500, 1700, 900, 193, 2000], causal=True, head_dim=64,
+                                  dtype=torch.float16),
     # every query <= 64 rows: two heads per tile (one per consumer)
     "short_paired": dict(lengths=[0, 1, 63, 64, 2, 33] + random_lengths(20, 0, 64, seed=8)),
     "short_paired_causal_window_gqa": dict(lengths=[64, 1, 0, 40, 63], causal=True, window=9,
@@ -118,6 +125,8 @@ def test_self_attention(name):
     lengths = case.pop("lengths")
     if name.endswith("long_tiles") or name.startswith("short_kv"):  # the path the name promises
         assert jagged_fwd.is_short_kv(sum(lengths), len(lengths)) == name.startswith("short_kv")
+    if name.startswith("long3"):
+        assert jagged_fwd.is_long(sum(lengths), sum(lengths), len(lengths))
     run_case(lengths, lengths, seed=zlib.crc32(name.encode()), **case)
 
 
@@ -136,6 +145,13 @@ def test_cross_attention(name):
     run_case(q_lens, kv_lens, seed=zlib.crc32(name.encode()), **CROSS_CASES[name])
 
 
+def test_cross_attention_long_d64():
+    """Queries and keys of different lengths, both long on average: three consumers (LONG_TUNING)."""
+    q_lens, kv_lens = [1100, 5, 3000, 193, 1300], [2000, 1500, 100, 900, 1000]
+    assert jagged_fwd.is_long(sum(q_lens), sum(kv_lens), len(q_lens))
+    run_case(q_lens, kv_lens, causal=True, head_dim=64, seed=12)
+
+
 PMA_KV_LENGTHS = [0, 1, 37, 64, 65, 128, 200, 2048, 1023] + random_lengths(23, 1, 2048, seed=6)
 
 
@@ -149,6 +165,13 @@ def test_broadcast_q(q_len):
                          ids=["window", "causal", "d64_fp16_gqa4"])
 def test_broadcast_q_variants(case):
     run_case([200], PMA_KV_LENGTHS, broadcast_q=True, seed=7, **case)
+
+
+def test_broadcast_q_long_d64():
+    """Broadcast-Q with 1024 query rows over long keys at D=64: three consumers (LONG_TUNING)."""
+    kv_lens = [2048, 1023, 1, 0, 3000, 1500, 1100]
+    assert jagged_fwd.is_long(1024 * len(kv_lens), sum(kv_lens), len(kv_lens))
+    run_case([1024], kv_lens, broadcast_q=True, head_dim=64, seed=11)
 
 
 def test_no_keys_anywhere():
