@@ -8,6 +8,8 @@ notebooks under nbval (`pytest --nbval notebooks --results-json ...`).
 def pytest_addoption(parser):
     parser.addoption("--results-json", default=None,
                      help="write each test's outcome and the environment block to this JSON file")
+    parser.addoption("--results-json-append", action="store_true",
+                     help="add this run's outcomes to the --results-json file instead of replacing it")
 
 
 _outcomes: dict[str, dict] = {}
@@ -42,9 +44,14 @@ def pytest_sessionfinish(session, exitstatus):
 
     from jfa.envinfo import environment
 
-    tests = sorted(_outcomes.values(), key=lambda t: t["test"])
-    doc = {"env": environment(), "args": session.config.invocation_params.args,
-           "summary": dict(Counter(t["outcome"] for t in tests)), "exitstatus": int(exitstatus),
-           "tests": tests}
+    outcomes, args, status = dict(_outcomes), list(session.config.invocation_params.args), int(exitstatus)
+    if session.config.getoption("--results-json-append") and Path(path).exists():
+        earlier = json.loads(Path(path).read_text())
+        outcomes = {t["test"]: t for t in earlier["tests"]} | outcomes
+        args = earlier["args"] + [";"] + args  # the runs' arguments, in order
+        status = max(status, earlier["exitstatus"])
+    tests = sorted(outcomes.values(), key=lambda t: t["test"])
+    doc = {"env": environment(), "args": args, "summary": dict(Counter(t["outcome"] for t in tests)),
+           "exitstatus": status, "tests": tests}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n")

@@ -11,7 +11,7 @@ import torch
 
 from jfa import bench, specs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.timing]  # the benchmark subtracts medians
 
 ALWAYS_PRESENT = {"fa2"}  # ships with torch on the GPU host; a failure here is the benchmark's fault
 DENSE_ALWAYS_PRESENT = {"fa2", "sdpa_flash", "sdpa_cudnn"}

@@ -116,6 +116,7 @@ def _median_build_ms(build) -> float:
                                        return_mode="median") for _ in range(BUILD_TIMING_TRIES))
 
 
+@pytest.mark.timing
 def test_gem_rebuild_time():
     """Rebuilding the lists for GEM L=256 s=0.5, B=1152: the forward's must stay well under the torch
     ops' build and under BUILD_BUDGET_MS."""
