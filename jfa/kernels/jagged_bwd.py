@@ -252,6 +252,11 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stage, desc_d
     so the next step may overwrite the staging buffer.
     """
     dtype: tl.constexpr = q_tile.dtype
+    # Without causality or a window, and with dQ left to its own kernel, a masked step masks rows
+    # only, through LSE: rows past the sequence end load LSE = +inf, so their P and dS are exactly 0
+    # and they add nothing to dK/dV. Keys past the sequence end get garbage dK/dV rows, which are
+    # never stored (`_store_kv_grads` masks them) and feed nothing else (wgmma rows are independent).
+    ROWS_BY_LSE: tl.constexpr = DQ_MODE == DQ_SEPARATE and not (CAUSAL or HAS_WINDOW)
     s_t = tlx.async_dot(k_tile, tlx.local_trans(q_tile))
     dp_t = tlx.async_dot(v_tile, tlx.local_trans(do_tile))
     q_rows = q_row0 + tl.arange(0, BLOCK_M)
@@ -259,14 +264,14 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stage, desc_d
     lse_ptrs = lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows
     delta_ptrs = delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows
     if MASKED:
-        lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
+        lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf") if ROWS_BY_LSE else 0.0)
         delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
     else:
         lse = tl.load(lse_ptrs)
         delta = tl.load(delta_ptrs)
     s_t = tlx.async_dot_wait(1, s_t)
     p_t = tl.math.exp2(s_t * qk_scale_log2 - (lse * LOG2E)[None, :])
-    if MASKED:
+    if MASKED and not ROWS_BY_LSE:
         # tl.where, not a multiply: masked entries may be exp2(+inf) (rows whose LSE is -inf).
         visible = _visible_keys_by_queries(kv_cols, q_rows, q_len, kv_len, window, CAUSAL, HAS_WINDOW)
         p_t = tl.where(visible, p_t, 0.0)
