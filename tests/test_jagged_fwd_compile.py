@@ -190,21 +190,19 @@ def test_bad_config_raises():
         jagged_fwd.kernel_config(64, torch.bfloat16, short_kv=True, long_seqs=True)
 
 
-def test_short_kv_tuning_applies_where_it_has_an_entry():
-    """Short key sequences take SHORT_KV_TUNING's entry for their key; other keys keep TUNING's."""
+@pytest.mark.parametrize("flag,table", [("short_kv", "SHORT_KV_TUNING"), ("long_seqs", "LONG_TUNING")])
+def test_length_tuning_applies_where_it_has_an_entry(flag, table):
+    """Short key sequences take SHORT_KV_TUNING's entry for their key, long sequences LONG_TUNING's;
+    keys without one keep TUNING's."""
     for key, entry in jagged_fwd.TUNING.items():
-        config = jagged_fwd.kernel_config(key[0], torch.bfloat16, heads_per_tile=key[1], short_kv=True)
-        expected = jagged_fwd.SHORT_KV_TUNING.get(key, entry)
+        config = jagged_fwd.kernel_config(key[0], torch.bfloat16, heads_per_tile=key[1], **{flag: True})
+        expected = getattr(jagged_fwd, table).get(key, entry)
         assert {name: config[name] for name in expected} == expected
+
+
+def test_length_tunings_change_the_tiles():
+    """64-key tiles for short keys at D=128; three consumers, 192-row tiles, for long sequences at D=64."""
     assert jagged_fwd.kernel_config(128, torch.bfloat16, short_kv=True)["BLOCK_N"] == 64
-
-
-def test_long_tuning_applies_where_it_has_an_entry():
-    """Long sequences take LONG_TUNING's entry (three consumers at D=64); other keys keep TUNING's."""
-    for key, entry in jagged_fwd.TUNING.items():
-        config = jagged_fwd.kernel_config(key[0], torch.bfloat16, heads_per_tile=key[1], long_seqs=True)
-        expected = jagged_fwd.LONG_TUNING.get(key, entry)
-        assert {name: config[name] for name in expected} == expected
     assert jagged_fwd.kernel_config(64, torch.bfloat16, long_seqs=True)["NUM_CONSUMERS"] == 3
     assert jagged_fwd.tile_rows(1, 3) == 192
 

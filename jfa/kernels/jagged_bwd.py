@@ -449,35 +449,27 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
                             BLOCK_SPARSE)
                         # Masked blocks, the mask-free bulk, masked blocks (MASK_FREE_BULK; else all masked).
+                        BULK: tl.constexpr = MASK_FREE_BULK and not BLOCK_SPARSE
                         bulk_lo, bulk_hi = head_blocks, head_blocks
-                        if MASK_FREE_BULK and not BLOCK_SPARSE:
+                        if BULK:
                             bulk_lo, bulk_hi = _full_block_range(
                                 col0 + cid * KEYS, col0 + cid * KEYS + KEYS - 1, first_row, head_blocks,
                                 q_len, kv_len, window, BLOCK_M, CAUSAL, HAS_WINDOW)
-                        for block in range(0, bulk_lo):
-                            dk, dv, q_loads = _consumer_q_block(
-                                block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile, ds_stage,
-                                dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start,
-                                q_len, out_row0, kv_len, kv_cols, first_row, selected, window, stride_lse_head,
-                                stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M,
-                                BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE, BLOCK_SPARSE, True)
-                        if MASK_FREE_BULK and not BLOCK_SPARSE:  # compiled only where it measured faster
-                            for block in range(bulk_lo, bulk_hi):
+                        for segment in tl.static_range(3 if BULK else 1):
+                            if segment == 0:
+                                lo, hi = 0, bulk_lo
+                            elif segment == 1:
+                                lo, hi = bulk_lo, bulk_hi
+                            else:
+                                lo, hi = bulk_hi, head_blocks
+                            for block in range(lo, hi):
                                 dk, dv, q_loads = _consumer_q_block(
                                     block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile,
                                     ds_stage, dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
                                     q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window,
                                     stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
                                     HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
-                                    BLOCK_SPARSE, False)
-                            for block in range(bulk_hi, head_blocks):
-                                dk, dv, q_loads = _consumer_q_block(
-                                    block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile,
-                                    ds_stage, dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
-                                    q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window,
-                                    stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
-                                    BLOCK_SPARSE, True)
+                                    BLOCK_SPARSE, segment != 1)
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
                     # Store inside the branch: joining the wgmma accumulators with a zero tile
