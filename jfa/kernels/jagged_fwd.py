@@ -491,31 +491,21 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                     kv_count += 1
 
                     # Leading edge (window start), mask-free bulk, trailing edge (diagonal/end).
-                    for n in range(1, bulk_lo):
-                        col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
-                                             BLOCK_SPARSE)
-                        p, acc, m_i, l_i, kv_count = _consumer_kv_step(
-                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, col0, rows, q_len,
-                            kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
-                    for n in range(bulk_lo, bulk_hi):
-                        col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
-                                             BLOCK_SPARSE)
-                        p, acc, m_i, l_i, kv_count = _consumer_kv_step(
-                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, col0, rows, q_len,
-                            kv_len, window, qk_scale_log2, cid, False, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
                     num_steps = num_kv_tiles - half_tail  # key tiles taken whole
-                    for n in range(bulk_hi, num_steps):
-                        col0 = _key_tile_col(n, first_col, selected, BLOCK_N,
-                                             BLOCK_SPARSE)
-                        p, acc, m_i, l_i, kv_count = _consumer_kv_step(
-                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, col0, rows, q_len,
-                            kv_len, window, qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW,
-                            BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
+                    for segment in tl.static_range(3):
+                        if segment == 0:
+                            lo, hi = 1, bulk_lo
+                        elif segment == 1:
+                            lo, hi = bulk_lo, bulk_hi
+                        else:
+                            lo, hi = bulk_hi, num_steps
+                        for n in range(lo, hi):
+                            col0 = _key_tile_col(n, first_col, selected, BLOCK_N, BLOCK_SPARSE)
+                            p, acc, m_i, l_i, kv_count = _consumer_kv_step(
+                                q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                                acc, m_i, l_i, kv_count, col0, rows, q_len,
+                                kv_len, window, qk_scale_log2, cid, segment != 1, CAUSAL, HAS_WINDOW,
+                                BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
 
                     # Drain: the last tile's P·V; a half last tile multiplies only its half.
                     if HALF_TAIL and half_tail:  # compiled only with HALF_TAIL
