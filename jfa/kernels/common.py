@@ -14,6 +14,8 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
 - `sequence_rows`: where a sequence's query, output and key rows are in the packed tensors.
 - `visible_key_range`: the keys a block of query rows may see, and those every row of it sees (the
   query-stationary kernels' KV loops and their mask-free bulk).
+- `loop_segment`: the bounds of the masked / mask-free bulk / masked loops a range of blocks is
+  split into (forward and backward alike).
 - `zigzag_turns` / `zigzag_tile`: which tiles of a longest-first list a persistent program takes.
 - `online_softmax_step`: one KV tile of the streaming softmax in the exp2 domain, with the
   conditional rescale of the running maximum.
@@ -146,6 +148,19 @@ def visible_key_range(row_lo, row_hi, q_len, kv_len, window, CAUSAL: tl.constexp
         full_lo = tl.maximum(row_hi - window, 0)
         full_hi = tl.minimum(full_hi, row_lo + window + 1)
     return kv_lo, kv_hi, full_lo, full_hi
+
+
+@triton.jit
+def loop_segment(segment: tl.constexpr, start, bulk_lo, bulk_hi, end):
+    """[lo, hi) of segment 0 (leading masked blocks), 1 (the mask-free bulk) or 2 (trailing masked
+    blocks) of start..end. Written `for segment in tl.static_range(3)`, the three loops share one
+    call site, and each is compiled with its own MASKED = segment != 1."""
+    if segment == 0:
+        return start, bulk_lo
+    elif segment == 1:
+        return bulk_lo, bulk_hi
+    else:
+        return bulk_hi, end
 
 
 @triton.jit

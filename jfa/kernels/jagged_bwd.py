@@ -52,7 +52,7 @@ import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
-from jfa.kernels.common import LOG2E, ring_slot, sequence_rows, visible_key_range, visible_mask
+from jfa.kernels.common import LOG2E, loop_segment, ring_slot, sequence_rows, visible_key_range, visible_mask
 from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
@@ -456,12 +456,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                                 col0 + cid * KEYS, col0 + cid * KEYS + KEYS - 1, first_row, head_blocks,
                                 q_len, kv_len, window, BLOCK_M, CAUSAL, HAS_WINDOW)
                         for segment in tl.static_range(3 if BULK else 1):
-                            if segment == 0:
-                                lo, hi = 0, bulk_lo
-                            elif segment == 1:
-                                lo, hi = bulk_lo, bulk_hi
-                            else:
-                                lo, hi = bulk_hi, head_blocks
+                            lo, hi = loop_segment(segment, 0, bulk_lo, bulk_hi, head_blocks)
                             for block in range(lo, hi):
                                 dk, dv, q_loads = _consumer_q_block(
                                     block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile,

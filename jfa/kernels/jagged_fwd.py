@@ -66,7 +66,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.fp8 import transposed_value_layout
-from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, pingpong_enter,
+from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, online_softmax_step, pingpong_enter,
                                 pingpong_exit, pingpong_start, ring_slot, sequence_rows, store_rows,
                                 visible_key_range, visible_mask, zigzag_tile, zigzag_turns)
 from jfa.schedule import build_tile_schedule
@@ -493,12 +493,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                     # Leading edge (window start), mask-free bulk, trailing edge (diagonal/end).
                     num_steps = num_kv_tiles - half_tail  # key tiles taken whole
                     for segment in tl.static_range(3):
-                        if segment == 0:
-                            lo, hi = 1, bulk_lo
-                        elif segment == 1:
-                            lo, hi = bulk_lo, bulk_hi
-                        else:
-                            lo, hi = bulk_hi, num_steps
+                        lo, hi = loop_segment(segment, 1, bulk_lo, bulk_hi, num_steps)
                         for n in range(lo, hi):
                             col0 = _key_tile_col(n, first_col, selected, BLOCK_N, BLOCK_SPARSE)
                             p, acc, m_i, l_i, kv_count = _consumer_kv_step(
