@@ -21,7 +21,7 @@ q=64 drops from 8% to 0.6%; measured 246 -> 256 TFLOP/s). For longer queries ent
 cost more through L2 than it gained (dense 643 -> 566 TFLOP/s).
 
 Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
-- producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, one half
+- producer (the default task, 4 warps, few registers): TMA loads of Q (twice-buffered, 64 rows
   per consumer) and of K and V into an N-deep ring, each slot guarded by a `full` mbarrier (the TMA
   bytes landed) and an `empty` one (every consumer is done with it);
 - NUM_CONSUMERS consumers (`replicate`, 4 warps each, most registers): QK^T by wgmma, online
@@ -365,8 +365,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
-    # One head per tile: the consumers split BLOCK_M = 128 query rows. Two heads per tile (short
-    # queries): both consumers take the same 64 rows, consumer c of query head `head + c`.
+    # One head per tile: the consumers split BLOCK_M = 64 x CONSUMERS query rows. Two heads per tile
+    # (short queries): both consumers take the same 64 rows, consumer c of query head `head + c`.
     BLOCK_M: tl.constexpr = ROWS * CONSUMERS if HEADS_PER_TILE == 1 else ROWS
     ROW_STEP: tl.constexpr = ROWS if HEADS_PER_TILE == 1 else 0
     HEAD_STEP: tl.constexpr = 0 if HEADS_PER_TILE == 1 else 1
