@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -181,6 +182,13 @@ def case_flops(case: dict, problem: Problem, pass_: str) -> float:
         kv_sizes = sizes[picked[:, 0], picked[:, 3]].tolist()
         return specs.attention_flops(q_sizes, kv_sizes, 1, head_dim, pass_=pass_)
     return specs.attention_flops(problem.q_lens, problem.kv_lens, heads, head_dim, pass_=pass_)
+
+
+def median_tflops(case: dict, problem: Problem, pass_: str, ms_by_variant: dict) -> dict:
+    """TFLOP/s at each variant's median time over rounds (`ms_by_variant`: variant -> list of ms),
+    the upper median so that an even number of rounds never averages two of them."""
+    flops = case_flops(case, problem, pass_)
+    return {name: specs.tflops(flops, statistics.median_high(ms)) for name, ms in ms_by_variant.items()}
 
 
 def case_bytes(problem: Problem, pass_: str) -> float:

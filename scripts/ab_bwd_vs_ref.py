@@ -8,12 +8,11 @@ backward). Both versions get the same forward output, LSE and upstream gradient;
     python scripts/ab_bwd_vs_ref.py /tmp/jagged_bwd_ref.py OUT.json [--rounds N] [--suites gem,pma,dense]
         [--head-dim 64]                                                        (GPU host, .gpu-bundle)
 """
-import statistics
 
 import torch
 from ab_fwd_vs_ref import DEVICE, ab_parser, load_reference, run_ab, suite_cases
 
-from jfa import bench, specs
+from jfa import bench
 from jfa.kernels import jagged_bwd, jagged_fwd
 
 
@@ -34,8 +33,7 @@ def run_case(case, versions, rounds):
             result["ms"].setdefault(name, []).append(
                 bench.do_bench_median(lambda: module.jagged_attention_bwd(dout, q, k, v, out, lse, *args), []))
     result["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(grads["this"], grads["ref"]))
-    flops = bench.case_flops(case, problem, "bwd")
-    result["tflops_median"] = {name: specs.tflops(flops, statistics.median_high(t)) for name, t in result["ms"].items()}
+    result["tflops_median"] = bench.median_tflops(case, problem, "bwd", result["ms"])
     return result
 
 

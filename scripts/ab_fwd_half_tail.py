@@ -9,7 +9,6 @@ benchmark harness's (`jfa.bench`); both variants' outputs are also compared with
 """
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -58,8 +57,7 @@ def run_case(name, rounds):
             result["ms"].setdefault(str(on), []).append(
                 bench.do_bench_median(lambda: jagged_fwd.jagged_attention_fwd(q, k, v, *args), []))
     result["max_abs_diff_on_vs_off"] = float((outputs[True].float() - outputs[False].float()).abs().max())
-    flops = bench.case_flops(case, problem, "fwd")
-    result["tflops_median"] = {on: specs.tflops(flops, statistics.median_high(t)) for on, t in result["ms"].items()}
+    result["tflops_median"] = bench.median_tflops(case, problem, "fwd", result["ms"])
     return result
 
 

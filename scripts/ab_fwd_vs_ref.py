@@ -12,7 +12,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 
 import torch
 
@@ -54,8 +53,7 @@ def run_case(case, versions, rounds):
             result["ms"].setdefault(name, []).append(
                 bench.do_bench_median(lambda: module.jagged_attention_fwd(q, k, v, *args), []))
     result["max_abs_diff"] = float((outputs["this"].float() - outputs["ref"].float()).abs().max())
-    flops = bench.case_flops(case, problem, "fwd")
-    result["tflops_median"] = {name: specs.tflops(flops, statistics.median_high(t)) for name, t in result["ms"].items()}
+    result["tflops_median"] = bench.median_tflops(case, problem, "fwd", result["ms"])
     return result
 
 

@@ -16,7 +16,6 @@ under every name: their spread is the run's noise.
 """
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -60,8 +59,7 @@ def run_case(case, key, variants, rounds):
     finally:
         for table, base in zip(tables, bases):
             table[key] = base
-    flops = bench.case_flops(case, problem, "fwd")
-    row["tflops_median"] = {name: specs.tflops(flops, statistics.median_high(t)) for name, t in row["ms"].items()}
+    row["tflops_median"] = bench.median_tflops(case, problem, "fwd", row["ms"])
     return row
 
 

@@ -166,6 +166,13 @@ def test_jagged_flops_by_hand():
     assert bench.case_flops(case, problem, "fwd+bwd") == 3808
 
 
+def test_median_tflops_takes_each_variants_upper_median():
+    problem = meta_problem("jagged", [3, 5], [3, 5])
+    ms = {"this": [3.0, 1.0, 2.0, 9.0], "ref": [4.0]}  # upper median of four rounds: 3.0, not 2.5
+    assert bench.median_tflops(small_case(heads=2, head_dim=4), problem, "fwd", ms) == {
+        "this": specs.tflops(1088, 3.0), "ref": specs.tflops(1088, 4.0)}
+
+
 def test_pma_flops_count_every_batch():
     problem = meta_problem("pma", [2, 2], [3, 4], q_rows=2)
     assert bench.case_flops(small_case("pma", heads=2, head_dim=4), problem, "fwd") == 4 * 2 * 4 * (2 * 3 + 2 * 4)
