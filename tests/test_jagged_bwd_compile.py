@@ -176,6 +176,20 @@ def test_bad_config_raises():
     assert jagged_bwd.resolve_dq_mode(None, deterministic=False) == jagged_bwd.DEFAULT_DQ_MODE
 
 
+def test_default_dq_mode_fuses_only_where_measured_faster():
+    """D=64, not causal, dense selection, keys averaging at most FUSED_DQ_MAX_MEAN_KEYS: tma_reduce;
+    anything else, and anything deterministic, the separate mode (results/bwd-dq-modes-d64-*)."""
+    bound = jagged_bwd.FUSED_DQ_MAX_MEAN_KEYS
+    fused = jagged_bwd.default_dq_mode(64, causal=False, mean_keys=bound, block_sparse=False)
+    assert fused == "tma_reduce"
+    assert jagged_bwd.resolve_dq_mode(None, deterministic=False, default=fused) == "tma_reduce"
+    assert jagged_bwd.resolve_dq_mode(None, deterministic=True, default=fused) == "separate"
+    assert jagged_bwd.resolve_dq_mode("atomic", deterministic=False, default=fused) == "atomic"
+    for head_dim, causal, mean_keys, block_sparse in [(128, False, 100, False), (64, True, 100, False),
+                                                      (64, False, bound + 1, False), (64, False, 100, True)]:
+        assert jagged_bwd.default_dq_mode(head_dim, causal, mean_keys, block_sparse) == "separate"
+
+
 # ---- the schedule ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 40), (True, 200)])

@@ -11,7 +11,7 @@ written once per tile, in the input dtype, with no atomics: the GQA group sum is
 dQ is the only gradient that several programs add to (every KV tile of a sequence contributes to
 every query row that sees it). Three ways to form it (`dq_mode`):
 
-- "separate" (the default, and what `deterministic=True` runs): the TLX kernel computes dK and dV
+- "separate" (the default at D=128, and what `deterministic=True` runs): the TLX kernel computes dK and dV
   only, and dQ comes from a query-stationary kernel (`_dq_kernel`) in which each program owns its
   rows and walks the keys in a fixed order: no float atomics, bitwise reproducible. It recomputes S
   and dP, yet measured 3-4x faster on the H200 than the fused atomic mode below;
@@ -19,6 +19,7 @@ every query row that sees it). Three ways to form it (`dq_mode`):
   fp32 atomics, then one cast kernel;
 - "tma_reduce": fused; the piece is staged in shared memory and added by one TMA reduce-add
   (`cp.reduce.async.bulk`), which frees the consumer at once instead of 64 atomics per thread.
+  The default at D=64 for non-causal batches of moderate length (`default_dq_mode`).
 With broadcast-Q the fused modes give every program its own fp32 copy of the shared query's dQ
 (B sequences would otherwise all add into the same `q_len` rows), and one reduce sums the copies;
 the separate mode writes one fp32 partial per sequence and sums them in a fixed order.
@@ -63,6 +64,16 @@ DQ_MODES = {"separate": DQ_SEPARATE.value, "atomic": DQ_ATOMIC.value, "tma_reduc
 # The default, from the H200 measurements (scripts/dev_bwd_gpu.sh): the fused atomic path ran at
 # 38-112 TFLOP/s, the separate dQ kernel path at 106-337 on the same shapes.
 DEFAULT_DQ_MODE = "separate"
+# ... except at head dim 64, where the fused tma_reduce kernel compiles without spills (`jfa.inspect`)
+# and its five GEMM units beat the separate mode's seven. Measured on the H200 against the separate
+# mode, same process, 3 alternating rounds (results/bwd-dq-modes-d64-*): GEM +4-7%, broadcast-Q +8%
+# (q=256) and +22% (q=64), window 128 +20%, GQA 4 +0-6%; but dense N=4096 -2%, and causal -4.5% at a
+# mean of 1024 keys, -10% dense (+11% at 256). So it is the default at D=64 for windowed or plain
+# batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average (a mean from the packed
+# sizes: no GPU->host sync). At D=128 the fused loop reloads spilled values and ran 0.81x.
+FUSED_DQ_DEFAULT_HEAD_DIMS = (64,)
+FUSED_DQ_DEFAULT_MODE = "tma_reduce"
+FUSED_DQ_MAX_MEAN_KEYS = 2048
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, each owning half the tile's keys
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
@@ -604,9 +615,19 @@ _SIGNATURE_SCALARS = dict(
     window="i32", gqa_group="i32", qk_scale_log2="fp32", sm_scale="fp32")
 
 
-def resolve_dq_mode(dq_mode: str | None, deterministic: bool) -> str:
-    """The dQ strategy to run: `dq_mode` if given, else the default; deterministic needs "separate"."""
-    mode = ("separate" if deterministic else DEFAULT_DQ_MODE) if dq_mode is None else dq_mode
+def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse: bool) -> str:
+    """The dQ strategy when none is asked for and determinism is not: fused at FUSED_DQ_DEFAULT_HEAD_DIMS
+    for non-causal, dense-selection batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on
+    average, else DEFAULT_DQ_MODE (the block-sparse fork has only the separate mode)."""
+    fused = (head_dim in FUSED_DQ_DEFAULT_HEAD_DIMS and not causal and not block_sparse
+             and mean_keys <= FUSED_DQ_MAX_MEAN_KEYS)
+    return FUSED_DQ_DEFAULT_MODE if fused else DEFAULT_DQ_MODE
+
+
+def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEFAULT_DQ_MODE) -> str:
+    """The dQ strategy to run: `dq_mode` if given, else `default` (`default_dq_mode`); deterministic
+    needs "separate"."""
+    mode = ("separate" if deterministic else default) if dq_mode is None else dq_mode
     if mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {sorted(DQ_MODES)} (or None for the default), got {dq_mode!r}")
     if deterministic and mode != "separate":
@@ -772,14 +793,15 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     `out`/`lse` are the forward's. `grads` may give the (dq, dk, dv) buffers to fill, so tests can
     poison them. `deterministic=True` makes every gradient bitwise reproducible (see the module doc).
     `dq_mode` picks how dQ is formed: "separate" (its own deterministic kernel), "atomic" or
-    "tma_reduce" (fused into the KV-stationary kernel, fp32 adds); None takes DEFAULT_DQ_MODE.
+    "tma_reduce" (fused into the KV-stationary kernel, fp32 adds); None takes `default_dq_mode`'s.
     `selection` (the forward's `jfa.sparse.BlockSelection`) runs the block-sparse fork of both
     kernels: the dK/dV kernel streams, per key block, the query blocks that selected it (the
     transposed selection), the dQ kernel walks each query block's selected key blocks.
     """
-    dq_mode = resolve_dq_mode(dq_mode, deterministic)
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
+    dq_mode = resolve_dq_mode(dq_mode, deterministic, default_dq_mode(
+        head_dim, causal, k.shape[0] / max(num_seqs, 1), selection is not None))
     kv_heads = k.shape[1]
     broadcast_q_len = q.shape[0] if broadcast_q else 0
     if grads is None:
