@@ -177,15 +177,17 @@ def test_bad_config_raises():
 
 
 def test_default_dq_mode_fuses_only_where_measured_faster():
-    """D=64, not causal, dense selection, keys averaging at most FUSED_DQ_MAX_MEAN_KEYS: tma_reduce;
-    anything else, and anything deterministic, the separate mode (results/bwd-dq-modes-d64-*)."""
-    bound = jagged_bwd.FUSED_DQ_MAX_MEAN_KEYS
+    """D=64, dense selection, keys averaging at most FUSED_DQ_MAX_MEAN_KEYS (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL
+    when causal): tma_reduce; anything else, and anything deterministic, the separate mode
+    (results/bwd-dq-modes-*)."""
+    bound, causal_bound = jagged_bwd.FUSED_DQ_MAX_MEAN_KEYS, jagged_bwd.FUSED_DQ_MAX_MEAN_KEYS_CAUSAL
+    assert jagged_bwd.default_dq_mode(64, causal=True, mean_keys=causal_bound, block_sparse=False) == "tma_reduce"
     fused = jagged_bwd.default_dq_mode(64, causal=False, mean_keys=bound, block_sparse=False)
     assert fused == "tma_reduce"
     assert jagged_bwd.resolve_dq_mode(None, deterministic=False, default=fused) == "tma_reduce"
     assert jagged_bwd.resolve_dq_mode(None, deterministic=True, default=fused) == "separate"
     assert jagged_bwd.resolve_dq_mode("atomic", deterministic=False, default=fused) == "atomic"
-    for head_dim, causal, mean_keys, block_sparse in [(128, False, 100, False), (64, True, 100, False),
+    for head_dim, causal, mean_keys, block_sparse in [(128, False, 100, False), (64, True, causal_bound + 1, False),
                                                       (64, False, bound + 1, False), (64, False, 100, True)]:
         assert jagged_bwd.default_dq_mode(head_dim, causal, mean_keys, block_sparse) == "separate"
 

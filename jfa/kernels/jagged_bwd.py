@@ -19,7 +19,7 @@ every query row that sees it). Three ways to form it (`dq_mode`):
   fp32 atomics, then one cast kernel;
 - "tma_reduce": fused; the piece is staged in shared memory and added by one TMA reduce-add
   (`cp.reduce.async.bulk`), which frees the consumer at once instead of 64 atomics per thread.
-  The default at D=64 for non-causal batches of moderate length (`default_dq_mode`).
+  The default at D=64 for batches of moderate length (`default_dq_mode`).
 With broadcast-Q the fused modes give every program its own fp32 copy of the shared query's dQ
 (B sequences would otherwise all add into the same `q_len` rows), and one reduce sums the copies;
 the separate mode writes one fp32 partial per sequence and sums them in a fixed order.
@@ -67,13 +67,15 @@ DEFAULT_DQ_MODE = "separate"
 # ... except at head dim 64, where the fused tma_reduce kernel compiles without spills (`jfa.inspect`)
 # and its five GEMM units beat the separate mode's seven. Measured on the H200 against the separate
 # mode, same process, 3 alternating rounds (results/bwd-dq-modes-d64-*): GEM +4-7%, broadcast-Q +8%
-# (q=256) and +22% (q=64), window 128 +20%, GQA 4 +0-6%; but dense N=4096 -2%, and causal -4.5% at a
-# mean of 1024 keys, -10% dense (+11% at 256). So it is the default at D=64 for windowed or plain
-# batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average (a mean from the packed
-# sizes: no GPU->host sync). At D=128 the fused loop reloads spilled values and ran 0.81x.
+# (q=256) and +22% (q=64), window 128 +20%, GQA 4 +0-6%; but dense N=4096 -2%. Causal: +10% at a
+# mean of 128 keys, +8-11% at 256, +1.7% at 512, but -4.5% at 1024 and -10% dense. So it is the
+# default at D=64 for batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average
+# (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal; a mean from the packed sizes: no GPU->host sync). At
+# D=128 the fused loop reloads spilled values and ran 0.81x.
 FUSED_DQ_DEFAULT_HEAD_DIMS = (64,)
 FUSED_DQ_DEFAULT_MODE = "tma_reduce"
 FUSED_DQ_MAX_MEAN_KEYS = 2048
+FUSED_DQ_MAX_MEAN_KEYS_CAUSAL = 512
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, each owning half the tile's keys
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
@@ -617,10 +619,11 @@ _SIGNATURE_SCALARS = dict(
 
 def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse: bool) -> str:
     """The dQ strategy when none is asked for and determinism is not: fused at FUSED_DQ_DEFAULT_HEAD_DIMS
-    for non-causal, dense-selection batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on
-    average, else DEFAULT_DQ_MODE (the block-sparse fork has only the separate mode)."""
-    fused = (head_dim in FUSED_DQ_DEFAULT_HEAD_DIMS and not causal and not block_sparse
-             and mean_keys <= FUSED_DQ_MAX_MEAN_KEYS)
+    for dense-selection batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average
+    (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal), else DEFAULT_DQ_MODE (the block-sparse fork has only
+    the separate mode)."""
+    max_mean_keys = FUSED_DQ_MAX_MEAN_KEYS_CAUSAL if causal else FUSED_DQ_MAX_MEAN_KEYS
+    fused = head_dim in FUSED_DQ_DEFAULT_HEAD_DIMS and not block_sparse and mean_keys <= max_mean_keys
     return FUSED_DQ_DEFAULT_MODE if fused else DEFAULT_DQ_MODE
 
 
