@@ -198,6 +198,9 @@ def test_default_dq_mode_fuses_only_where_measured_faster():
     for head_dim, causal, mean_keys, block_sparse in [(128, False, 100, False), (64, True, causal_bound + 1, False),
                                                       (64, False, bound + 1, False), (64, False, 100, True)]:
         assert jagged_bwd.default_dq_mode(head_dim, causal, mean_keys, block_sparse) == "separate"
+    # broadcast-Q with fewer sequences than programs: the fused mode's per-program dQ copies would outnumber
+    # the separate mode's per-sequence ones
+    assert jagged_bwd.default_dq_mode(64, False, 100, False, more_dq_copies=True) == "separate"
 
 
 # ---- the schedule ----------------------------------------------------------------------------

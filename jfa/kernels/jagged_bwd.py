@@ -66,12 +66,13 @@ DQ_MODES = {"separate": DQ_SEPARATE.value, "atomic": DQ_ATOMIC.value, "tma_reduc
 DEFAULT_DQ_MODE = "separate"
 # ... except at head dim 64, where the fused tma_reduce kernel compiles without spills (`jfa.inspect`)
 # and its five GEMM units beat the separate mode's seven. Measured on the H200 against the separate
-# mode, same process, 3 alternating rounds (results/bwd-dq-modes-d64-*): GEM +4-7%, broadcast-Q +8%
+# mode, same process, 3 alternating rounds (results/bwd-dq-modes-*): GEM +4-7%, broadcast-Q +8%
 # (q=256) and +22% (q=64), window 128 +20%, GQA 4 +0-6%; but dense N=4096 -2%. Causal: +10% at a
 # mean of 128 keys, +8-11% at 256, +1.7% at 512, but -4.5% at 1024 and -10% dense. So it is the
 # default at D=64 for batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average
-# (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal; a mean from the packed sizes: no GPU->host sync). At
-# D=128 the fused loop reloads spilled values and ran 0.81x.
+# (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal; a mean from the packed sizes: no GPU->host sync), and
+# with broadcast-Q only where it keeps no more fp32 copies of dQ than the separate mode (one per
+# program against one per sequence). At D=128 the fused loop reloads spilled values and ran 0.81x.
 FUSED_DQ_DEFAULT_HEAD_DIMS = (64,)
 FUSED_DQ_DEFAULT_MODE = "tma_reduce"
 FUSED_DQ_MAX_MEAN_KEYS = 2048
@@ -617,13 +618,16 @@ _SIGNATURE_SCALARS = dict(
     window="i32", gqa_group="i32", qk_scale_log2="fp32", sm_scale="fp32")
 
 
-def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse: bool) -> str:
+def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse: bool,
+                    more_dq_copies: bool = False) -> str:
     """The dQ strategy when none is asked for and determinism is not: fused at FUSED_DQ_DEFAULT_HEAD_DIMS
     for dense-selection batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average
     (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal), else DEFAULT_DQ_MODE (the block-sparse fork has only
-    the separate mode)."""
+    the separate mode). `more_dq_copies`: with broadcast-Q the fused mode would keep more fp32 copies
+    of dQ than the separate mode (more programs than sequences), so it is not chosen."""
     max_mean_keys = FUSED_DQ_MAX_MEAN_KEYS_CAUSAL if causal else FUSED_DQ_MAX_MEAN_KEYS
-    fused = head_dim in FUSED_DQ_DEFAULT_HEAD_DIMS and not block_sparse and mean_keys <= max_mean_keys
+    fused = (head_dim in FUSED_DQ_DEFAULT_HEAD_DIMS and not block_sparse and mean_keys <= max_mean_keys
+             and not more_dq_copies)
     return FUSED_DQ_DEFAULT_MODE if fused else DEFAULT_DQ_MODE
 
 
@@ -803,8 +807,10 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     """
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     dq_mode = resolve_dq_mode(dq_mode, deterministic, default_dq_mode(
-        head_dim, causal, k.shape[0] / max(num_seqs, 1), selection is not None))
+        head_dim, causal, k.shape[0] / max(num_seqs, 1), selection is not None,
+        more_dq_copies=broadcast_q and num_sms > num_seqs))
     kv_heads = k.shape[1]
     broadcast_q_len = q.shape[0] if broadcast_q else 0
     if grads is None:
@@ -836,7 +842,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
                                       block_n=config["BLOCK_N"], causal=causal, window=window,
                                       max_seq_len_q=max_seq_len_q)
     max_tiles = schedule.max_entries * kv_heads
-    grid = (max(1, min(torch.cuda.get_device_properties(q.device).multi_processor_count, max_tiles)),)
+    grid = (max(1, min(num_sms, max_tiles)),)
     row_width = q_heads * head_dim
     # fp32 dQ accumulator: one copy per program with broadcast-Q (summed below), else one shared.
     partials = grid[0] if (broadcast_q and fused_dq) else 1
