@@ -10,7 +10,7 @@ backward). Both versions get the same forward output, LSE and upstream gradient;
 """
 
 import torch
-from ab_fwd_vs_ref import DEVICE, ab_parser, load_reference, run_ab, suite_cases
+from ab_fwd_vs_ref import DEVICE, ab_main
 
 from jfa import bench
 from jfa.kernels import jagged_bwd, jagged_fwd
@@ -38,10 +38,9 @@ def run_case(case, versions, rounds):
 
 
 def main():
-    args = ab_parser(__doc__, "jfa/kernels/jagged_bwd.py", 3).parse_args()
-    run_ab(args, {"this": jagged_bwd, "ref": load_reference(args.reference)}, suite_cases(args), run_case,
-           lambda row: f"bitwise equal {row['bitwise_equal']}",
-           "same-process A/B of the jagged backward against another version")
+    ab_main(__doc__, jagged_bwd, "jfa/kernels/jagged_bwd.py", 3, run_case,
+            lambda row: f"bitwise equal {row['bitwise_equal']}",
+            "same-process A/B of the jagged backward against another version")
 
 
 if __name__ == "__main__":

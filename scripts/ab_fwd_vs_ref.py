@@ -88,11 +88,18 @@ def suite_cases(args) -> list[dict]:
     return [at_head_dim(case, args.head_dim) for suite in args.suites.split(",") for case in specs.BENCH_SUITES[suite]]
 
 
+def ab_main(doc: str, module, module_path: str, rounds: int, run_case, details, kind: str) -> None:
+    """An A/B script's whole run: parse its arguments, then time `module` against the reference copy
+    of `module_path` on the chosen suites (`run_ab`)."""
+    args = ab_parser(doc, module_path, rounds).parse_args()
+    run_ab(args, {"this": module, "ref": load_reference(args.reference)}, suite_cases(args), run_case, details,
+           kind)
+
+
 def main():
-    args = ab_parser(__doc__, "jfa/kernels/jagged_fwd.py", 4).parse_args()
-    run_ab(args, {"this": jagged_fwd, "ref": load_reference(args.reference)}, suite_cases(args), run_case,
-           lambda row: f"relerr {row['relerr_vs_ref']}  diff {row['max_abs_diff']:.2e}",
-           "same-process A/B of the jagged forward against another version")
+    ab_main(__doc__, jagged_fwd, "jfa/kernels/jagged_fwd.py", 4, run_case,
+            lambda row: f"relerr {row['relerr_vs_ref']}  diff {row['max_abs_diff']:.2e}",
+            "same-process A/B of the jagged forward against another version")
 
 
 if __name__ == "__main__":
