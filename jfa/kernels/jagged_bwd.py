@@ -109,10 +109,17 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1)}  # overrides of TUNING in the at
 # values inside the loop and the backward ran 0.86-0.93x (results/ab-num-stages-*); the consumers
 # taking turns at the tensor cores like the forward's ran 0.87-0.93x (results/branch-bwd-pingpong-*).
 # Since the rows-only masks and, at D=64, the mask-free bulk freed registers, D=64 compiles at
-# num_stages 0 without spills in either dQ mode (separate loops 283/350 instructions against 291/354
-# at 1, and S^T/dP^T, dV/dK in flight together); D=128 still reloads 6-10 values per step there.
+# num_stages 0 without spills in either dQ mode. Measured against 1 (results/ab-bwd-s0-*): the fused
+# tma_reduce mode, D=64's default on GEM and PMA, ran 1.00-1.05x (GEM geometric mean 1.016x); the
+# separate mode (dense) 0.99x; D=128, which still reloads 6-10 values per step there, 0.96-0.99x.
+# (The atomic mode, never a default, compiles as cleanly at D=64 and follows tma_reduce untimed.)
 NUM_STAGES = 1
-NUM_STAGES_BY_HEAD_DIM = {64: 0}  # exceptions to NUM_STAGES
+FUSED_DQ_NUM_STAGES = {64: 0}  # exceptions to NUM_STAGES in the atomic and tma_reduce modes
+
+
+def launch_num_stages(head_dim: int, dq_mode: str) -> int:
+    """The dK/dV kernel's num_stages for one configuration (NUM_STAGES, FUSED_DQ_NUM_STAGES)."""
+    return NUM_STAGES if dq_mode == "separate" else FUSED_DQ_NUM_STAGES.get(head_dim, NUM_STAGES)
 
 # The deterministic dQ kernel is plain Triton (no warp specialization), in one of two shapes: query
 # rows per program, keys per step, warps and software-pipeline stages. Measured on the H200
@@ -691,8 +698,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     constexprs = constexprs | _selection_args(signature, selection_width, ("q_blocks_ptr", "q_block_counts_ptr"))
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_bwd_kernel, signature=signature, constexprs=constexprs,
-                      num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES),
-                      name="jagged_bwd",
+                      num_warps=PRODUCER_WARPS, num_stages=launch_num_stages(head_dim, dq_mode), name="jagged_bwd",
                       aligned=("stride_dq_row", "stride_dkv_row"),
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")
 
@@ -866,7 +872,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         q.shape[0] * row_width if partials > 1 else 0, q.shape[0] if partials > 1 else 0, kv_heads * head_dim,
         kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
         0 if window is None else window, q_heads // kv_heads, qk_scale_log2, sm_scale,
-        num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES_BY_HEAD_DIM.get(head_dim, NUM_STAGES), **config)
+        num_warps=PRODUCER_WARPS, num_stages=launch_num_stages(head_dim, dq_mode), **config)
     if fused_dq:
         dq.copy_(dq_accum.sum(0) if partials > 1 else dq_accum[0])
         return dq, dk, dv
