@@ -97,9 +97,10 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # extra loops made ptxas reload spilled values in every loop (0.92-1.00x), so D=128 keeps the one
 # masked loop (results/bwd-mask-free-bulk-ab-*).
 TUNING = {
-    64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True),
+    64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True,
+             DQ_HANDOFF_BUFFERS=2),
     128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240,
-              MASK_FREE_BULK=False),
+              MASK_FREE_BULK=False, DQ_HANDOFF_BUFFERS=0),
 }
 FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1)}  # overrides of TUNING in the atomic and tma_reduce modes
 # The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
@@ -264,11 +265,13 @@ def _query_block_row(block, first_row, selected, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stage, desc_dq, dq_row0, dk, dv,
+def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, handoff_fulls, handoff_empties, step,
+                     desc_dq, dq_row0, dk, dv,
                      lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, q_row0, window,
                      stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, MASKED: tl.constexpr = True):
+                     HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr,
+                     cid: tl.constexpr, MASKED: tl.constexpr = True):
     """One query block against this consumer's keys: update dK, dV; add its dQ piece (fused modes).
     MASKED=False where every (key, query) pair of the block is visible (`_full_block_range`).
 
@@ -317,34 +320,50 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stage, desc_d
                     + head * HEAD_DIM + dims[None, :])
             tl.atomic_add(ptrs, dq * sm_scale, mask=row_ok[:, None], sem="relaxed")
         else:
-            # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0),
-            # and TMA clips rows past the tensor end.
-            tlx.async_descriptor_store_wait(0)  # the previous reduce has read the staging buffer
-            tlx.local_store(dq_stage, dq * sm_scale)
-            tlx.fence_async_shared()
-            tlx.async_descriptor_store(desc_dq, dq_stage, [dq_row0 + q_start + q_row0, head * HEAD_DIM],
-                                       store_reduce="add")
+            if DQ_HANDOFF_BUFFERS > 0:
+                # Both consumers formed a piece for the same query rows: consumer 1 hands its piece to
+                # consumer 0 through a ring of stages, and one reduce-add carries the sum (half the
+                # global fp32 adds; they cost 6-10% of the backward, results/bwd-dq-reduce-cost-*).
+                slot, phase = ring_slot(step, DQ_HANDOFF_BUFFERS)
+                if cid == 0:
+                    tlx.barrier_wait(handoff_fulls[slot], phase)
+                    dq += tlx.local_load(dq_stages[1 + slot])
+                    tlx.barrier_arrive(handoff_empties[slot], 1)
+                else:
+                    tlx.barrier_wait(handoff_empties[slot], phase ^ 1)
+                    tlx.local_store(dq_stages[1 + slot], dq)
+                    tlx.barrier_arrive(handoff_fulls[slot], 1)
+            if DQ_HANDOFF_BUFFERS == 0 or cid == 0:
+                # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0),
+                # and TMA clips rows past the tensor end.
+                dq_stage = dq_stages[cid]
+                tlx.async_descriptor_store_wait(0)  # the previous reduce has read the staging buffer
+                tlx.local_store(dq_stage, dq * sm_scale)
+                tlx.fence_async_shared()
+                tlx.async_descriptor_store(desc_dq, dq_stage, [dq_row0 + q_start + q_row0, head * HEAD_DIM],
+                                           store_reduce="add")
     dv = tlx.async_dot_wait(0, dv)
     dk = tlx.async_dot_wait(0, dk)
     return dk, dv
 
 
 @triton.jit
-def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile, ds_stage, dq_stage,
-                      desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
+def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile, ds_stage, dq_stages,
+                      handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
                       kv_cols, first_row, selected, window, stride_lse_head, stride_delta_head, stride_dq_row,
                       qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      DQ_MODE: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
+                      DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr, cid: tl.constexpr,
+                      BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
     """The `block`-th streamed query block: wait for its Q/dO slot, run the step, free the slot."""
     slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
     tlx.barrier_wait(q_fulls[slot], phase)
     dk, dv = _consumer_q_step(
-        q_tiles[slot], do_tiles[slot], k_tile, v_tile, ds_stage, dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr,
-        delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
+        q_tiles[slot], do_tiles[slot], k_tile, v_tile, ds_stage, dq_stages, handoff_fulls, handoff_empties, q_loads,
+        desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
         _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE), window, stride_lse_head,
         stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE,
-        MASKED)
+        DQ_HANDOFF_BUFFERS, cid, MASKED)
     tlx.barrier_arrive(q_empties[slot], 1)
     return dk, dv, q_loads + 1
 
@@ -375,7 +394,8 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                        HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr,
                        DQ_MODE: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr,
                        NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr,
-                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, MASK_FREE_BULK: tl.constexpr):
+                       BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, MASK_FREE_BULK: tl.constexpr,
+                       DQ_HANDOFF_BUFFERS: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
@@ -395,7 +415,9 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     k_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
     v_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
     ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
-    if DQ_MODE == DQ_TMA_REDUCE:
+    if DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:  # consumer 0's stage, then the handoff ring
+        dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM), tl.float32, 1 + DQ_HANDOFF_BUFFERS)
+    elif DQ_MODE == DQ_TMA_REDUCE:
         dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM), tl.float32, CONSUMERS)
     else:  # never read: only the TMA reduce-add stages dQ
         dq_stages = ds_stages
@@ -403,6 +425,12 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     q_empties = tlx.alloc_barriers(num_barriers=NUM_Q_BUFFERS, arrive_count=CONSUMERS)
     kv_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
     kv_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+    if DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:
+        handoff_fulls = tlx.alloc_barriers(num_barriers=DQ_HANDOFF_BUFFERS, arrive_count=1)
+        handoff_empties = tlx.alloc_barriers(num_barriers=DQ_HANDOFF_BUFFERS, arrive_count=1)
+    else:  # never waited on
+        handoff_fulls = q_fulls
+        handoff_empties = q_empties
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: TMA loads only
@@ -449,7 +477,6 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             replicate=CONSUMERS):
             cid: tl.constexpr = tlx.async_task_replica_id()
             ds_stage = ds_stages[cid]
-            dq_stage = dq_stages[cid]
             kv_loads = 0
             q_loads = 0
             for tile in range(first_tile, num_tiles, tile_stride):
@@ -485,11 +512,11 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             for block in range(lo, hi):
                                 dk, dv, q_loads = _consumer_q_block(
                                     block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile,
-                                    ds_stage, dq_stage, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
-                                    q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window,
-                                    stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
-                                    BLOCK_SPARSE, segment != 1)
+                                    ds_stage, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv,
+                                    lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
+                                    first_row, selected, window, stride_lse_head, stride_delta_head, stride_dq_row,
+                                    qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL,
+                                    HAS_WINDOW, DQ_MODE, DQ_HANDOFF_BUFFERS, cid, BLOCK_SPARSE, segment != 1)
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
                     # Store inside the branch: joining the wgmma accumulators with a zero tile
