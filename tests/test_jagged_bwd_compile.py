@@ -187,7 +187,9 @@ def test_bad_config_raises():
 def test_default_dq_mode_fuses_only_where_measured_faster():
     """D=64, dense selection, keys averaging at most FUSED_DQ_MAX_MEAN_KEYS (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL
     when causal): tma_reduce; anything else, and anything deterministic, the separate mode
-    (results/bwd-dq-modes-*)."""
+    (results/bwd-dq-modes-*). The benchmark's dense D=64 batch, where it was measured faster, fuses."""
+    dense64 = next(c for c in specs.BENCH_SUITES["dense"] if c["head_dim"] == 64)
+    assert jagged_bwd.default_dq_mode(64, False, dense64["max_len"], False) == "tma_reduce"
     bound, causal_bound = jagged_bwd.FUSED_DQ_MAX_MEAN_KEYS, jagged_bwd.FUSED_DQ_MAX_MEAN_KEYS_CAUSAL
     assert jagged_bwd.default_dq_mode(64, causal=True, mean_keys=causal_bound, block_sparse=False) == "tma_reduce"
     fused = jagged_bwd.default_dq_mode(64, causal=False, mean_keys=bound, block_sparse=False)

@@ -67,16 +67,19 @@ DEFAULT_DQ_MODE = "separate"
 # ... except at head dim 64, where the fused tma_reduce kernel compiles without spills (`jfa.inspect`)
 # and its five GEMM units beat the separate mode's seven. Measured on the H200 against the separate
 # mode, same process, 3 alternating rounds (results/bwd-dq-modes-*): GEM +4-7%, broadcast-Q +8%
-# (q=256) and +22% (q=64), window 128 +20%, GQA 4 +0-6%; but dense N=4096 -2%. Causal: +10% at a
-# mean of 128 keys, +8-11% at 256, +1.7% at 512, but -4.5% at 1024 and -10% dense. So it is the
-# default at D=64 for batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average
-# (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal; a mean from the packed sizes: no GPU->host sync), and
-# with broadcast-Q only where it keeps no more fp32 copies of dQ than the separate mode (one per
-# program against one per sequence). At D=128 the fused loop reloads spilled values and ran 0.81x.
+# (q=256) and +22% (q=64), window 128 +20%, GQA 4 +0-6%. With num_stages 0 and the dQ handoff
+# between consumers (DQ_HANDOFF_BUFFERS) it also passed the separate mode on dense N=4096 (1.025x)
+# and causal batches averaging 1024 keys (1.02-1.04x); causal at 2048 and 4096 is level (1.006x,
+# 1.01x: results/bwd-dq-modes-handoff-*), where the separate mode's bitwise repeatable dQ is kept.
+# So it is the default at D=64 for batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on
+# average, the longest measured (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal; a mean from the packed
+# sizes: no GPU->host sync), and with broadcast-Q only where it keeps no more fp32 copies of dQ than
+# the separate mode (one per program against one per sequence). At D=128 the fused loop reloads
+# spilled values and ran 0.81x.
 FUSED_DQ_DEFAULT_HEAD_DIMS = (64,)
 FUSED_DQ_DEFAULT_MODE = "tma_reduce"
-FUSED_DQ_MAX_MEAN_KEYS = 2048
-FUSED_DQ_MAX_MEAN_KEYS_CAUSAL = 512
+FUSED_DQ_MAX_MEAN_KEYS = 4096
+FUSED_DQ_MAX_MEAN_KEYS_CAUSAL = 1024
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, each owning half the tile's keys
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
@@ -96,6 +99,11 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # sets its pace, that compiles without spills and made the whole backward 14-43% faster; at D=128 the
 # extra loops made ptxas reload spilled values in every loop (0.92-1.00x), so D=128 keeps the one
 # masked loop (results/bwd-mask-free-bulk-ab-*).
+# DQ_HANDOFF_BUFFERS (tma_reduce only): > 0 makes consumer 1 hand its dQ piece to consumer 0 through
+# a ring of that many fp32 stages, and consumer 0 reduce-adds the sum: half the global adds, which
+# cost 6-10% of the backward (results/bwd-dq-reduce-cost-*). At D=64 (2 x 16 KB more shared memory)
+# the whole backward ran GEM +2-8%, PMA +11-15% against one reduce-add per consumer
+# (results/ab-bwd-dq-handoff-*); D=128 has no shared memory left for it.
 TUNING = {
     64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True,
              DQ_HANDOFF_BUFFERS=2),
