@@ -19,6 +19,7 @@ every query row that sees it). Three ways to form it (`dq_mode`):
   fp32 atomics, then one cast kernel;
 - "tma_reduce": fused; the piece is staged in shared memory and added by one TMA reduce-add
   (`cp.reduce.async.bulk`), which frees the consumer at once instead of 64 atomics per thread.
+  At D=64 consumer 1 hands its piece to consumer 0, and one reduce-add carries both.
   The default at D=64 for batches of moderate length (`default_dq_mode`).
 With broadcast-Q the fused modes give every program its own fp32 copy of the shared query's dQ
 (B sequences would otherwise all add into the same `q_len` rows), and one reduce sums the copies;
@@ -332,6 +333,7 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, hando
                 # Both consumers formed a piece for the same query rows: consumer 1 hands its piece to
                 # consumer 0 through a ring of stages, and one reduce-add carries the sum (half the
                 # global fp32 adds; they cost 6-10% of the backward, results/bwd-dq-reduce-cost-*).
+                # Both stream the same query blocks in the same order, so their `step` counts agree.
                 slot, phase = ring_slot(step, DQ_HANDOFF_BUFFERS)
                 if cid == 0:
                     tlx.barrier_wait(handoff_fulls[slot], phase)
@@ -357,10 +359,11 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, hando
 
 @triton.jit
 def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile, ds_stage, dq_stages,
-                      handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
-                      kv_cols, first_row, selected, window, stride_lse_head, stride_delta_head, stride_dq_row,
-                      qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
+                      q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window, stride_lse_head,
+                      stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr,
                       DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr, cid: tl.constexpr,
                       BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
     """The `block`-th streamed query block: wait for its Q/dO slot, run the step, free the slot."""
