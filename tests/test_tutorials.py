@@ -14,7 +14,8 @@ from jfa.inspect import compile_spec, inspect
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIALS = ["t01_ws_producer_consumer", "t02_pipelined_ring", "t03_ws_wgmma_gemm",
-             "t04_attention_pingpong", "t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem"]
+             "t04_attention_pingpong", "t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem",
+             "t07_consumer_handoff"]
 BLACKWELL_TUTORIALS = ["t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem"]
 MAX_LINES = 220  # a tutorial is read top to bottom in one sitting
 
@@ -64,6 +65,14 @@ def test_reads_as_a_lesson(name):
     assert lines <= MAX_LINES, f"{name} has {lines} lines; keep a tutorial under {MAX_LINES}"
 
 
+def test_handoff_writes_each_tile_once_without_global_adds():
+    """t07: one TMA store of C per program, and no atomics or reduce-adds: the partial goes through
+    shared memory."""
+    ptx = compile_spec(load("t07_consumer_handoff").inspect_spec(), "sm_90").asm["ptx"]
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == 1
+    assert not re.search(r"\b(?:atom|red)\.|cp\.reduce\.async", ptx)
+
+
 def test_module_main_prints_the_report_on_cpu():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     result = subprocess.run([sys.executable, "-m", "tutorials.t01_ws_producer_consumer"], cwd=REPO,
@@ -85,8 +94,9 @@ def test_host_wrappers_reject_bad_input_before_launch():
         t01.scale_tiles(torch.zeros(2, 3, 8, dtype=torch.float16), 2.0)
     with pytest.raises(ValueError, match="shape"):
         t01.scale_tiles(torch.zeros(4, 7, dtype=torch.float16), 2.0)
-    with pytest.raises(ValueError, match=r"a.shape\[1\] must equal b.shape\[0\]"):
-        t03.ws_gemm(torch.zeros(8, 16, dtype=torch.float16), torch.zeros(24, 8, dtype=torch.float16))
+    for gemm in (t03.ws_gemm, load("t07_consumer_handoff").split_k_gemm):
+        with pytest.raises(ValueError, match=r"a.shape\[1\] must equal b.shape\[0\]"):
+            gemm(torch.zeros(8, 16, dtype=torch.float16), torch.zeros(24, 8, dtype=torch.float16))
     q = torch.zeros(2, 100, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="multiple of"):
         t04.attention_fwd(q, q, q)
