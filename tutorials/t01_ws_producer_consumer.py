@@ -118,12 +118,6 @@ def run_check(n_rows: int = 1000, n_cols: int = 3000, seed: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    from jfa.inspect import inspect
-    from tutorials import hopper_tlx_available
+    from tutorials import main
 
-    print(inspect(inspect_spec()).to_text())
-    ready, why = hopper_tlx_available()
-    if ready:
-        run_check()
-    else:
-        print(f"\nGPU check skipped: {why}")
+    main(inspect_spec, run_check)

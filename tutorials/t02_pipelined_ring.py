@@ -124,16 +124,10 @@ def bench(n_rows: int = 8192, n_cols: int = 32768) -> dict:
 
 if __name__ == "__main__":
     from jfa.inspect import inspect
-    from tutorials import hopper_tlx_available
+    from tutorials import main
 
     for depth in BENCH_DEPTHS:
         report = inspect(inspect_spec(NUM_STAGES=depth))
         print(f"NUM_STAGES={depth}: shared memory {report.shared_bytes:,} B")
     print()
-    print(inspect(inspect_spec()).to_text())
-    ready, why = hopper_tlx_available()
-    if ready:
-        run_check()
-        bench()
-    else:
-        print(f"\nGPU check skipped: {why}")
+    main(inspect_spec, run_check, bench)

@@ -34,10 +34,9 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 from triton.language.extra.cuda import globaltimer, smid
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa.inspect import KernelSpec
-from jfa.specs import FWD_TOL, TMA_ALIGN_BYTES
+from tutorials import check_gemm, gemm_operands
 
 NUM_CONSUMERS = tl.constexpr(2)  # consumer warpgroups, each owning BLOCK_M // 2 output rows
 CONSUMER_REGISTERS = tl.constexpr(232)
@@ -131,19 +130,10 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     With `timeline` (int64, one row of `timeline_row_length(cdiv(K, BLOCK_K))` per program and
     role) the RECORD kernel writes its stamps there; see tutorials/timeline.py."""
     cfg = DEFAULT_CONFIG | cfg
-    for arg, t in (("a", a), ("b", b)):
-        if t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float16:
-            raise ValueError(f"{arg} must be a contiguous 2-D float16 tensor, got {t.dtype} {tuple(t.shape)}")
-        if (t.shape[1] * t.element_size()) % TMA_ALIGN_BYTES:
-            raise ValueError(f"TMA needs {TMA_ALIGN_BYTES}-byte aligned rows: pad {arg}.shape[1] ({t.shape[1]})")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
-    (M, K), N = a.shape, b.shape[1]
-    c = torch.empty(M, N, device=a.device, dtype=a.dtype) if out is None else out
     half_m = cfg["BLOCK_M"] // NUM_CONSUMERS.value
-    a_desc = TensorDescriptor(a, shape=[M, K], strides=[K, 1], block_shape=[half_m, cfg["BLOCK_K"]])
-    b_desc = TensorDescriptor(b, shape=[K, N], strides=[N, 1], block_shape=[cfg["BLOCK_K"], cfg["BLOCK_N"]])
-    c_desc = TensorDescriptor(c, shape=[M, N], strides=[N, 1], block_shape=[half_m, cfg["BLOCK_N"]])
+    c, a_desc, b_desc, c_desc = gemm_operands(a, b, out, (half_m, cfg["BLOCK_K"]), (cfg["BLOCK_K"], cfg["BLOCK_N"]),
+                                              (half_m, cfg["BLOCK_N"]))
+    (M, K), N = a.shape, b.shape[1]
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
     if timeline is not None:
         rows = grid[0] * grid[1] * NUM_ROLES.value
@@ -173,23 +163,10 @@ def inspect_spec(RECORD: bool = False, **cfg) -> KernelSpec:
 
 def run_check(M: int = 1000, N: int = 776, K: int = 520, seed: int = 0) -> None:
     """Against an fp32 torch matmul on fresh random data; `c` poisoned, every element checked."""
-    torch.manual_seed(seed)
-    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
-    c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
-    ws_gemm(a, b, out=c)
-    expected = a.float() @ b.float()
-    torch.testing.assert_close(c.float(), expected, **FWD_TOL)
-    print(f"t03 check passed: ({M}x{K}) @ ({K}x{N}) against fp32 torch")
+    check_gemm(ws_gemm, "t03", M, N, K, seed)
 
 
 if __name__ == "__main__":
-    from jfa.inspect import inspect
-    from tutorials import hopper_tlx_available
+    from tutorials import main
 
-    print(inspect(inspect_spec()).to_text())
-    ready, why = hopper_tlx_available()
-    if ready:
-        run_check()
-    else:
-        print(f"\nGPU check skipped: {why}")
+    main(inspect_spec, run_check)

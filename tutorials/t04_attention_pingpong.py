@@ -178,13 +178,6 @@ def bench(bh: int = 128, seq_len: int = 4096, head_dim: int = 128) -> dict:
 
 
 if __name__ == "__main__":
-    from jfa.inspect import inspect
-    from tutorials import hopper_tlx_available
+    from tutorials import main
 
-    print(inspect(inspect_spec()).to_text())
-    ready, why = hopper_tlx_available()
-    if ready:
-        run_check()
-        bench()
-    else:
-        print(f"\nGPU check skipped: {why}")
+    main(inspect_spec, run_check, bench)

@@ -29,10 +29,9 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa.inspect import KernelSpec
-from jfa.specs import FWD_TOL, TMA_ALIGN_BYTES
+from tutorials import check_gemm, gemm_operands
 
 SINGLE_WARP_REGISTERS = tl.constexpr(24)  # the load and MMA warps only issue instructions
 DEFAULT_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_STAGES=3)
@@ -82,20 +81,10 @@ def tmem_gemm_kernel(a_desc, b_desc, c_desc, K,
 def tmem_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, **cfg) -> torch.Tensor:
     """``a @ b`` for fp16 CUDA matrices on a Blackwell GPU, written into `out` (or a new tensor)."""
     cfg = DEFAULT_CONFIG | cfg
-    for arg, t in (("a", a), ("b", b)):
-        if t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float16:
-            raise ValueError(f"{arg} must be a contiguous 2-D float16 tensor, got {t.dtype} {tuple(t.shape)}")
-        if (t.shape[1] * t.element_size()) % TMA_ALIGN_BYTES:
-            raise ValueError(f"TMA needs {TMA_ALIGN_BYTES}-byte aligned rows: pad {arg}.shape[1] ({t.shape[1]})")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
-    (M, K), N = a.shape, b.shape[1]
-    c = torch.empty(M, N, device=a.device, dtype=a.dtype) if out is None else out
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    a_desc = TensorDescriptor(a, shape=[M, K], strides=[K, 1], block_shape=[bm, bk])
-    b_desc = TensorDescriptor(b, shape=[K, N], strides=[N, 1], block_shape=[bk, bn])
-    c_desc = TensorDescriptor(c, shape=[M, N], strides=[N, 1], block_shape=[bm, bn])
-    tmem_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](a_desc, b_desc, c_desc, K, **cfg)
+    c, a_desc, b_desc, c_desc = gemm_operands(a, b, out, (bm, bk), (bk, bn), (bm, bn))
+    tmem_gemm_kernel[(triton.cdiv(c.shape[0], bm), triton.cdiv(c.shape[1], bn))](a_desc, b_desc, c_desc,
+                                                                                a.shape[1], **cfg)
     return c
 
 
@@ -117,23 +106,10 @@ def run_check(M: int = 1000, N: int = 776, K: int = 520, seed: int = 0) -> None:
     ready, why = blackwell_tlx_available()
     if not ready:
         raise RuntimeError(f"t05 is compiled, not run here: {why}")
-    torch.manual_seed(seed)
-    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
-    c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
-    tmem_gemm(a, b, out=c)
-    torch.testing.assert_close(c.float(), a.float() @ b.float(), **FWD_TOL)
-    print(f"t05 check passed: ({M}x{K}) @ ({K}x{N}) against fp32 torch")
+    check_gemm(tmem_gemm, "t05", M, N, K, seed)
 
 
 if __name__ == "__main__":
-    from jfa.inspect import inspect
-    from tutorials import blackwell_tlx_available
+    from tutorials import main
 
-    print("compiled for sm_100, not run here\n")
-    print(inspect(inspect_spec()).to_text())
-    ready, why = blackwell_tlx_available()
-    if ready:
-        run_check()
-    else:
-        print(f"\nGPU check skipped: {why}")
+    main(inspect_spec, run_check, blackwell=True)

@@ -178,13 +178,6 @@ def run_check(bh: int = 6, seq_len: int = 512, head_dim: int = 128, seed: int = 
 
 
 if __name__ == "__main__":
-    from jfa.inspect import inspect
-    from tutorials import blackwell_tlx_available
+    from tutorials import main
 
-    print("compiled for sm_100, not run here\n")
-    print(inspect(inspect_spec()).to_text())
-    ready, why = blackwell_tlx_available()
-    if ready:
-        run_check()
-    else:
-        print(f"\nGPU check skipped: {why}")
+    main(inspect_spec, run_check, blackwell=True)

@@ -28,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa.inspect import KernelSpec
-from jfa.specs import FWD_TOL, TMA_ALIGN_BYTES
+from tutorials import check_gemm, gemm_operands
 
 NUM_CONSUMERS = tl.constexpr(2)  # consumer warpgroups, each taking every other k-step
 CONSUMER_REGISTERS = tl.constexpr(232)  # consumer 0 holds its accumulator and the partial: 2 x 64
@@ -85,20 +84,10 @@ def split_k_gemm_kernel(a_desc, b_desc, c_desc, K, BLOCK_M: tl.constexpr, BLOCK_
 def split_k_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, **cfg) -> torch.Tensor:
     """``a @ b`` for fp16 CUDA matrices (fp32 accumulation), written into `out` (or a new tensor)."""
     cfg = DEFAULT_CONFIG | cfg
-    for arg, t in (("a", a), ("b", b)):
-        if t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float16:
-            raise ValueError(f"{arg} must be a contiguous 2-D float16 tensor, got {t.dtype} {tuple(t.shape)}")
-        if (t.shape[1] * t.element_size()) % TMA_ALIGN_BYTES:
-            raise ValueError(f"TMA needs {TMA_ALIGN_BYTES}-byte aligned rows: pad {arg}.shape[1] ({t.shape[1]})")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
-    (M, K), N = a.shape, b.shape[1]
-    c = torch.empty(M, N, device=a.device, dtype=a.dtype) if out is None else out
-    a_desc = TensorDescriptor(a, shape=[M, K], strides=[K, 1], block_shape=[cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    b_desc = TensorDescriptor(b, shape=[K, N], strides=[N, 1], block_shape=[cfg["BLOCK_K"], cfg["BLOCK_N"]])
-    c_desc = TensorDescriptor(c, shape=[M, N], strides=[N, 1], block_shape=[cfg["BLOCK_M"], cfg["BLOCK_N"]])
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
-    split_k_gemm_kernel[grid](a_desc, b_desc, c_desc, K, **cfg)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    c, a_desc, b_desc, c_desc = gemm_operands(a, b, out, (bm, bk), (bk, bn), (bm, bn))
+    split_k_gemm_kernel[(triton.cdiv(c.shape[0], bm), triton.cdiv(c.shape[1], bn))](a_desc, b_desc, c_desc,
+                                                                                    a.shape[1], **cfg)
     return c
 
 
@@ -114,25 +103,12 @@ def inspect_spec(**cfg) -> KernelSpec:
 
 
 def run_check(M: int = 1000, N: int = 776, K: int = 1440, seed: int = 0) -> None:
-    """Against an fp32 torch matmul on fresh random data; `c` poisoned, every element checked. K covers an
-    odd number of k-steps (the last one partial), so consumer 0 takes one more than consumer 1."""
-    torch.manual_seed(seed)
-    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    b = torch.randn(K, N, device="cuda", dtype=torch.float16)
-    c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
-    split_k_gemm(a, b, out=c)
-    expected = a.float() @ b.float()
-    torch.testing.assert_close(c.float(), expected, **FWD_TOL)
-    print(f"t07 check passed: ({M}x{K}) @ ({K}x{N}) against fp32 torch, K split between two consumers")
+    """Against an fp32 torch matmul on fresh random data, `c` poisoned. K covers an odd number of
+    k-steps (the last one partial), so consumer 0 takes one more than consumer 1."""
+    check_gemm(split_k_gemm, "t07", M, N, K, seed)
 
 
 if __name__ == "__main__":
-    from jfa.inspect import inspect
-    from tutorials import hopper_tlx_available
+    from tutorials import main
 
-    print(inspect(inspect_spec()).to_text())
-    ready, why = hopper_tlx_available()
-    if ready:
-        run_check()
-    else:
-        print(f"\nGPU check skipped: {why}")
+    main(inspect_spec, run_check)
