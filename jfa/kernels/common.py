@@ -54,6 +54,19 @@ def ring_slot(count, NUM_BUFFERS: tl.constexpr):
 
 
 @triton.jit
+def per_step(x):
+    """`x`, recomputed at each use inside a loop (an opaque `mov`, never hoisted).
+
+    A shared-memory buffer picked by a loop-invariant index (the K/V slot of a KV-stationary loop)
+    gives loop-invariant wgmma descriptors, one per k-step of every matrix multiply that reads it.
+    Hoisted out of the loop they stay live across it, and at 240 registers ptxas spills them and
+    reloads them every step, right before the wgmmas that need them. Indexing through `per_step(slot)`
+    makes the compiler form them at the use instead, with a few integer adds.
+    """
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def pingpong_start(cid: tl.constexpr, NUM_CONSUMERS: tl.constexpr = 2):
     """Called once by each consumer before its first wgmma: the last consumer lets consumer 0 go first."""
     if cid == NUM_CONSUMERS - 1:

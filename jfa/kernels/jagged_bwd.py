@@ -11,7 +11,7 @@ written once per tile, in the input dtype, with no atomics: the GQA group sum is
 dQ is the only gradient that several programs add to (every KV tile of a sequence contributes to
 every query row that sees it). Three ways to form it (`dq_mode`):
 
-- "separate" (the default at D=128, and what `deterministic=True` runs): the TLX kernel computes dK and dV
+- "separate" (the default for short batches, and what `deterministic=True` runs): the TLX kernel computes dK and dV
   only, and dQ comes from a query-stationary kernel (`_dq_kernel`) in which each program owns its
   rows and walks the keys in a fixed order: no float atomics, bitwise reproducible. It recomputes S
   and dP, yet measured 3-4x faster on the H200 than the fused atomic mode below;
@@ -19,8 +19,10 @@ every query row that sees it). Three ways to form it (`dq_mode`):
   fp32 atomics, then one cast kernel;
 - "tma_reduce": fused; the piece is staged in shared memory and added by one TMA reduce-add
   (`cp.reduce.async.bulk`), which frees the consumer at once instead of 64 atomics per thread.
-  At D=64 consumer 1 hands its piece to consumer 0, and one reduce-add carries both.
-  The default at D=64 for batches of moderate length (`default_dq_mode`).
+  At D=64 consumer 1 hands its piece to consumer 0, and one reduce-add carries both. At D=128 the
+  step runs in FlashAttention-3's orientation (`_consumer_q_step_split_dq`): each consumer forms
+  half of dQ's columns from both consumers' dS, and reduce-adds its [BLOCK_M, D/2] half.
+  The default at D=64 for batches of moderate length and at D=128 for long ones (`default_dq_mode`).
 With broadcast-Q the fused modes give every program its own fp32 copy of the shared query's dQ
 (B sequences would otherwise all add into the same `q_len` rows), and one reduce sums the copies;
 the separate mode writes one fp32 partial per sequence and sums them in a fixed order.
@@ -32,7 +34,8 @@ Warp roles of the TLX kernel (`tlx.async_tasks`):
 - two consumers (`replicate=2`), each owning BLOCK_N/2 keys of the tile, so both read the same
   Q/dO slot: S^T = K Q^T and dP^T = V dO^T by wgmma from shared memory, P^T and dS^T in registers,
   dV += P^T dO and dK += dS^T Q by wgmma with the A operand from registers, dQ = dS K by wgmma with
-  dS^T staged in shared memory (wgmma reads a transposed A only from there).
+  dS^T staged in shared memory (wgmma reads a transposed A only from there). The fused D=128 step
+  computes S and dP instead, and stages P and dS for all three of dV, dK and dQ.
 
 K is fed unscaled and the scale folds into the exp2 argument (`qk_scale_log2`): a bf16 K scaled in
 advance overflowed exp2 in the seed and gave NaN gradients at large activations.
@@ -54,7 +57,8 @@ import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
-from jfa.kernels.common import LOG2E, loop_segment, ring_slot, sequence_rows, visible_key_range, visible_mask
+from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, per_step, ring_slot,
+                                sequence_rows, visible_key_range, visible_mask)
 from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
@@ -75,14 +79,28 @@ DEFAULT_DQ_MODE = "separate"
 # So it is the default at D=64 for batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on
 # average, the longest measured (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal; a mean from the packed
 # sizes: no GPU->host sync), and with broadcast-Q only where it keeps no more fp32 copies of dQ than
-# the separate mode (one per program against one per sequence). At D=128 the fused loop reloads
-# spilled values and ran 0.81x.
-FUSED_DQ_DEFAULT_HEAD_DIMS = (64,)
+# the separate mode (one per program against one per sequence).
+# At D=128 the fused step of the separate mode's orientation reloaded spilled values every step and
+# ran 0.81x; FlashAttention-3's orientation (DQ_SPLIT) with the K/V slot indexed per step
+# (`common.per_step`) ran against the separate mode (results/bwd-dq-modes-d128-split-*): GEM 1.04x
+# at a mean of 512 queries per sequence rising to 1.14x at 2048, dense N=4096 1.08x, causal
+# 1.14-1.31x, window 128 1.22x, GQA 4 1.13-1.15x; but 0.89x and 0.94x at means of 126 and 256
+# queries, level at 253, and with broadcast-Q 0.90x (q=64) and 0.99x (q=256): a short query stream
+# gives each K/V tile few steps, and the fused mode has room for one K/V slot only. So D=128 fuses
+# from a mean of FUSED_DQ_MIN_MEAN_QUERIES query rows per sequence up (the shared query's rows with
+# broadcast-Q).
+FUSED_DQ_DEFAULT_HEAD_DIMS = (64, 128)
 FUSED_DQ_DEFAULT_MODE = "tma_reduce"
-FUSED_DQ_MAX_MEAN_KEYS = 4096
-FUSED_DQ_MAX_MEAN_KEYS_CAUSAL = 1024
+FUSED_DQ_MAX_MEAN_KEYS = {64: 4096}  # no upper limit at a head dim not listed
+FUSED_DQ_MAX_MEAN_KEYS_CAUSAL = {64: 1024}
+FUSED_DQ_MIN_MEAN_QUERIES = {128: 512}  # no lower limit at a head dim not listed
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, each owning half the tile's keys
+# DQ_SPLIT's consumers meet at these named barriers: once both have staged their dS, and once both
+# have read both (the backward has no ping-pong, so the forward's ping-pong ids and thread count
+# serve: the same two warpgroups).
+DS_READY_BARRIER: tl.constexpr = PINGPONG_BARRIER_FIRST
+DS_FREE_BARRIER: tl.constexpr = tl.constexpr(PINGPONG_BARRIER_FIRST.value + 1)
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
 PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
 
@@ -93,8 +111,9 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # = 208 KB. A second K/V slot lets the next tile's keys land while this tile's last query blocks
 # run: 6-10% faster on every measured shape than one slot (results/bwd-tuning-20261129T1405Z.json:
 # dense 7.76 -> 7.22 ms, GEM L=2048 s=1 70.1 -> 66.1, PMA q=256 6.30 -> 5.70); deeper Q/dO rings
-# gained nothing. The fused dQ modes have room for one K/V slot only: tma_reduce stages 2x32 KB of
-# fp32 dQ, and the atomic mode's layout change for its atomics takes as much compiler scratch.
+# gained nothing. The fused dQ modes have room for one K/V slot only: tma_reduce at D=128 stages P
+# and dS (2x2x8 KB) and two fp32 halves of dQ (2x16 KB), and the atomic mode's layout change for its
+# atomics takes as much compiler scratch.
 # MASK_FREE_BULK: the query blocks that see every key of a consumer's tile run a step without mask
 # arithmetic (masked blocks, bulk, masked blocks). At D=64, where the dK/dV kernel's elementwise work
 # sets its pace, that compiles without spills and made the whole backward 14-43% faster; at D=128 the
@@ -104,14 +123,17 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # a ring of that many fp32 stages, and consumer 0 reduce-adds the sum: half the global adds, which
 # cost 6-10% of the backward (results/bwd-dq-reduce-cost-*). At D=64 (2 x 16 KB more shared memory)
 # the whole backward ran GEM +2-8%, PMA +11-15% against one reduce-add per consumer
-# (results/ab-bwd-dq-handoff-*); D=128 has no shared memory left for it.
+# (results/ab-bwd-dq-handoff-*). At D=128 one slot in the stage that consumer 1 no longer needed
+# (224 KB) ran 0.74-0.93x the separate mode, slower than without it (results/bwd-dq-modes-d128-*).
+# DQ_SPLIT (tma_reduce only): the step in FlashAttention-3's orientation, `_consumer_q_step_split_dq`;
+# at D=128 the other orientation spills (see FUSED_DQ_MIN_MEAN_QUERIES for the measurements).
 TUNING = {
     64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True,
-             DQ_HANDOFF_BUFFERS=2),
+             DQ_HANDOFF_BUFFERS=2, DQ_SPLIT=False),
     128: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=2, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240,
-              MASK_FREE_BULK=False, DQ_HANDOFF_BUFFERS=0),
+              MASK_FREE_BULK=False, DQ_HANDOFF_BUFFERS=0, DQ_SPLIT=False),
 }
-FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1)}  # overrides of TUNING in the atomic and tma_reduce modes
+FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of TUNING in the fused modes
 # The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
 # before the next instruction (`jagged_fwd.NUM_STAGES` says how), so each consumer's matrix
 # multiplies overlap only the other consumer's softmax. Measured on the H200 against that: without
@@ -122,9 +144,11 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1)}  # overrides of TUNING in the at
 # num_stages 0 without spills in either dQ mode. Measured against 1 (results/ab-bwd-s0-*): the fused
 # tma_reduce mode, D=64's default on GEM and PMA, ran 1.00-1.05x (GEM geometric mean 1.016x); the
 # separate mode (dense) 0.99x; D=128, which still reloads 6-10 values per step there, 0.96-0.99x.
+# The fused D=128 step (DQ_SPLIT) orders its own waits: its dK wgmma runs under the dQ store, and its
+# measurements (FUSED_DQ_MIN_MEAN_QUERIES) are at num_stages 0.
 # (The atomic mode, never a default, compiles as cleanly at D=64 and follows tma_reduce untimed.)
 NUM_STAGES = 1
-FUSED_DQ_NUM_STAGES = {64: 0}  # exceptions to NUM_STAGES in the atomic and tma_reduce modes
+FUSED_DQ_NUM_STAGES = {64: 0, 128: 0}  # exceptions to NUM_STAGES in the atomic and tma_reduce modes
 
 
 def launch_num_stages(head_dim: int, dq_mode: str) -> int:
@@ -358,23 +382,95 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, hando
 
 
 @triton.jit
-def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile, ds_stage, dq_stages,
-                      handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
-                      q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window, stride_lse_head,
-                      stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr,
-                      DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr, cid: tl.constexpr,
-                      BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
+def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage, ds_stages, dq_stage,
+                              desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, head, q_start, q_len, out_row0, kv_len,
+                              kv_cols, q_row0, window, stride_lse_head, stride_delta_head, qk_scale_log2, sm_scale,
+                              cid: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr):
+    """The fused tma_reduce step in FlashAttention-3's orientation (DQ_SPLIT, D=128).
+
+    `_consumer_q_step` computes S^T (keys x queries), so P^T and dS^T feed the dV and dK wgmmas from
+    registers, but every thread then holds LSE and Delta for 16 query columns, and the fused [64, D]
+    dQ piece on top of that spills. Here S = Q K^T (queries x this consumer's keys): LSE and Delta
+    are 2 values per thread; P and dS go to shared memory, and dV += P^T dO, dK += dS^T Q read them
+    transposed from there. dQ is split by head dimension: consumer c forms dQ[:, c-th half of D] over
+    all BLOCK_N keys from both consumers' dS (two named barriers per query block), a [64, 64] piece.
+    `kv_slot` is the per-step index of `common.per_step`: three matrix multiplies read K or V here,
+    and descriptors hoisted out of the loop spilled (34-46 reloads per step, and 0.81x the separate
+    mode; 7-19 and 1.04-1.31x from a mean of 512 queries this way).
+    """
+    dtype: tl.constexpr = q_tile.dtype
+    k_tile = k_tiles[kv_slot * NUM_CONSUMERS + cid]
+    KEYS: tl.constexpr = k_tile.shape[0]
+    HALF_D: tl.constexpr = HEAD_DIM // NUM_CONSUMERS
+    s = tlx.async_dot(q_tile, tlx.local_trans(k_tile))
+    dp = tlx.async_dot(do_tile, tlx.local_trans(v_tile))
+    q_rows = q_row0 + tl.arange(0, BLOCK_M)
+    row_ok = q_rows < q_len
+    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows, mask=row_ok, other=0.0)
+    s = tlx.async_dot_wait(1, s)
+    p = tl.math.exp2(s * qk_scale_log2 - (lse * LOG2E)[:, None])
+    if MASKED:
+        # Keys past the sequence end must be masked here: their dS feeds dQ of valid rows.
+        visible = visible_mask(q_rows, kv_cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW) & row_ok[:, None]
+        p = tl.where(visible, p, 0.0)
+    dp = tlx.async_dot_wait(0, dp)
+    ds = p * (dp - delta[:, None])
+    tlx.local_store(p_stage, p.to(dtype))
+    ds_stage = ds_stages[cid]
+    tlx.local_store(ds_stage, ds.to(dtype))
+    tlx.fence_async_shared()
+    dv = tlx.async_dot(tlx.local_trans(p_stage), do_tile, dv)
+    tlx.named_barrier_wait(DS_READY_BARRIER, PINGPONG_THREADS)
+    dq = tlx.async_dot(ds_stages[0],
+                       tlx.local_slice(k_tiles[kv_slot * NUM_CONSUMERS], [0, cid * HALF_D], [KEYS, HALF_D]))
+    dq = tlx.async_dot(ds_stages[1],
+                       tlx.local_slice(k_tiles[kv_slot * NUM_CONSUMERS + 1], [0, cid * HALF_D], [KEYS, HALF_D]), dq)
+    # dK goes last, so the dQ store below runs while it does: wait for every group but dK's.
+    dk = tlx.async_dot(tlx.local_trans(ds_stage), q_tile, dk)
+    dq = tlx.async_dot_wait(1, dq)
+    tlx.named_barrier_wait(DS_FREE_BARRIER, PINGPONG_THREADS)  # both have read both dS: they may be rewritten
+    # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
+    # clips rows past the tensor end.
+    tlx.async_descriptor_store_wait(0)  # the previous reduce has read the staging buffer
+    tlx.local_store(dq_stage, dq * sm_scale)
+    tlx.fence_async_shared()
+    tlx.async_descriptor_store(desc_dq, dq_stage, [dq_row0 + q_start + q_row0, head * HEAD_DIM + cid * HALF_D],
+                               store_reduce="add")
+    dv = tlx.async_dot_wait(0, dv)
+    dk = tlx.async_dot_wait(0, dk)
+    return dk, dv
+
+
+@triton.jit
+def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot, ds_stages,
+                      p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr,
+                      delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window,
+                      stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr,
+                      cid: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
     """The `block`-th streamed query block: wait for its Q/dO slot, run the step, free the slot."""
     slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
     tlx.barrier_wait(q_fulls[slot], phase)
-    dk, dv = _consumer_q_step(
-        q_tiles[slot], do_tiles[slot], k_tile, v_tile, ds_stage, dq_stages, handoff_fulls, handoff_empties, q_loads,
-        desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
-        _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE), window, stride_lse_head,
-        stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE,
-        DQ_HANDOFF_BUFFERS, cid, MASKED)
+    q_row0 = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE)
+    kv_slot = per_step(kv_slot)
+    kv_index = kv_slot * NUM_CONSUMERS + cid
+    if DQ_SPLIT:
+        dk, dv = _consumer_q_step_split_dq(
+            q_tiles[slot], do_tiles[slot], k_tiles, kv_slot, v_tiles[kv_index], p_stages[cid], ds_stages,
+            dq_stages[cid], desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, head, q_start, q_len, out_row0, kv_len,
+            kv_cols, q_row0, window, stride_lse_head, stride_delta_head, qk_scale_log2, sm_scale, cid, HEAD_DIM,
+            BLOCK_M, CAUSAL, HAS_WINDOW, MASKED)
+    else:
+        dk, dv = _consumer_q_step(
+            q_tiles[slot], do_tiles[slot], k_tiles[kv_index], v_tiles[kv_index], ds_stages[cid], dq_stages,
+            handoff_fulls, handoff_empties, q_loads, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
+            q_start, q_len, out_row0, kv_len, kv_cols, q_row0, window, stride_lse_head, stride_delta_head,
+            stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE,
+            DQ_HANDOFF_BUFFERS, cid, MASKED)
     tlx.barrier_arrive(q_empties[slot], 1)
     return dk, dv, q_loads + 1
 
@@ -406,7 +502,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                        DQ_MODE: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr,
                        NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr,
                        BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, MASK_FREE_BULK: tl.constexpr,
-                       DQ_HANDOFF_BUFFERS: tl.constexpr):
+                       DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
@@ -425,8 +521,15 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
     k_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
     v_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
-    ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
-    if DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:  # consumer 0's stage, then the handoff ring
+    if DQ_SPLIT:  # dS and P (queries x keys), one stage each per consumer
+        ds_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, CONSUMERS)
+        p_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, CONSUMERS)
+    else:  # dS^T (keys x queries); p_stages never read
+        ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
+        p_stages = ds_stages
+    if DQ_SPLIT:  # a half of dQ's columns per consumer
+        dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM // CONSUMERS), tl.float32, CONSUMERS)
+    elif DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:  # consumer 0's stage, then the handoff ring
         dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM), tl.float32, 1 + DQ_HANDOFF_BUFFERS)
     elif DQ_MODE == DQ_TMA_REDUCE:
         dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM), tl.float32, CONSUMERS)
@@ -487,7 +590,6 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
         with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS,
                             replicate=CONSUMERS):
             cid: tl.constexpr = tlx.async_task_replica_id()
-            ds_stage = ds_stages[cid]
             kv_loads = 0
             q_loads = 0
             for tile in range(first_tile, num_tiles, tile_stride):
@@ -501,8 +603,6 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                 if num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
                     tlx.barrier_wait(kv_fulls[kv_slot], kv_phase)
-                    k_tile = k_tiles[kv_slot * CONSUMERS + cid]
-                    v_tile = v_tiles[kv_slot * CONSUMERS + cid]
                     dk = tl.zeros([KEYS, HEAD_DIM], tl.float32)
                     dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
                     for g in range(gqa_group):
@@ -522,12 +622,13 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             lo, hi = loop_segment(segment, 0, bulk_lo, bulk_hi, head_blocks)
                             for block in range(lo, hi):
                                 dk, dv, q_loads = _consumer_q_block(
-                                    block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tile, v_tile,
-                                    ds_stage, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv,
-                                    lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
-                                    first_row, selected, window, stride_lse_head, stride_delta_head, stride_dq_row,
-                                    qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL,
-                                    HAS_WINDOW, DQ_MODE, DQ_HANDOFF_BUFFERS, cid, BLOCK_SPARSE, segment != 1)
+                                    block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot,
+                                    ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0,
+                                    dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
+                                    kv_cols, first_row, selected, window, stride_lse_head, stride_delta_head,
+                                    stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE, DQ_HANDOFF_BUFFERS, DQ_SPLIT, cid,
+                                    BLOCK_SPARSE, segment != 1)
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
                     # Store inside the branch: joining the wgmma accumulators with a zero tile
@@ -668,15 +769,17 @@ _SIGNATURE_SCALARS = dict(
 
 
 def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse: bool,
-                    more_dq_copies: bool = False) -> str:
+                    more_dq_copies: bool = False, mean_queries: float | None = None) -> str:
     """The dQ strategy when none is asked for and determinism is not: fused at FUSED_DQ_DEFAULT_HEAD_DIMS
     for dense-selection batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average
-    (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal), else DEFAULT_DQ_MODE (the block-sparse fork has only
-    the separate mode). `more_dq_copies`: with broadcast-Q the fused mode would keep more fp32 copies
-    of dQ than the separate mode (more programs than sequences), so it is not chosen."""
-    max_mean_keys = FUSED_DQ_MAX_MEAN_KEYS_CAUSAL if causal else FUSED_DQ_MAX_MEAN_KEYS
-    fused = (head_dim in FUSED_DQ_DEFAULT_HEAD_DIMS and not block_sparse and mean_keys <= max_mean_keys
-             and not more_dq_copies)
+    (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal) and at least FUSED_DQ_MIN_MEAN_QUERIES query rows per
+    sequence (`mean_queries`, default `mean_keys`), else DEFAULT_DQ_MODE (the block-sparse fork has
+    only the separate mode). `more_dq_copies`: with broadcast-Q the fused mode would keep more fp32
+    copies of dQ than the separate mode (more programs than sequences), so it is not chosen."""
+    mean_queries = mean_keys if mean_queries is None else mean_queries
+    max_mean_keys = (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL if causal else FUSED_DQ_MAX_MEAN_KEYS).get(head_dim, math.inf)
+    fused = (head_dim in FUSED_DQ_DEFAULT_HEAD_DIMS and not block_sparse and not more_dq_copies
+             and mean_keys <= max_mean_keys and mean_queries >= FUSED_DQ_MIN_MEAN_QUERIES.get(head_dim, 0))
     return FUSED_DQ_DEFAULT_MODE if fused else DEFAULT_DQ_MODE
 
 
@@ -707,6 +810,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
     tuning = dict(TUNING[head_dim])
     if dq_mode != "separate":
         tuning.update(FUSED_DQ_TUNING.get(head_dim, {}))
+    tuning["DQ_SPLIT"] = tuning["DQ_SPLIT"] and dq_mode == "tma_reduce"  # the split dQ is reduce-added by TMA
     if selection_width and (window is not None or broadcast_q or dq_mode != "separate"
                             or tuning["BLOCK_N"] != specs.BLOCK_SPARSE_BLOCK):
         raise ValueError("the block-sparse backward takes no window or broadcast-Q, the separate dQ kernel, "
@@ -730,7 +834,8 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                      desc_k=f"tensordesc<{name}[{keys}, {head_dim}]>",
                      desc_v=f"tensordesc<{name}[{keys}, {head_dim}]>",
                      desc_do=f"tensordesc<{name}[{constexprs['BLOCK_M']}, {head_dim}]>",
-                     desc_dq=f"tensordesc<fp32[{constexprs['BLOCK_M']}, {head_dim}]>",
+                     desc_dq=f"tensordesc<fp32[{constexprs['BLOCK_M']}, "
+                             f"{head_dim // NUM_CONSUMERS.value if constexprs['DQ_SPLIT'] else head_dim}]>",
                      **_SIGNATURE_SCALARS)
     signature["dk_ptr"] = signature["dv_ptr"] = f"*{name}"
     constexprs = constexprs | _selection_args(signature, selection_width, ("q_blocks_ptr", "q_block_counts_ptr"))
@@ -823,10 +928,12 @@ def is_supported(q: torch.Tensor) -> bool:
             and q.dtype in specs.SUPPORTED_DTYPES and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
 
 
-def _rows_descriptor(t: torch.Tensor, box_rows: int) -> TensorDescriptor:
-    """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`, one box = `box_rows` rows of one head."""
+def _rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None) -> TensorDescriptor:
+    """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`, one box = `box_rows` rows of one head
+    (or of `box_cols` of its columns)."""
     rows, heads, dim = t.shape
-    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[heads * dim, 1], block_shape=[box_rows, dim])
+    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[heads * dim, 1],
+                            block_shape=[box_rows, box_cols or dim])
 
 
 def compute_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -859,7 +966,8 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     dq_mode = resolve_dq_mode(dq_mode, deterministic, default_dq_mode(
         head_dim, causal, k.shape[0] / max(num_seqs, 1), selection is not None,
-        more_dq_copies=broadcast_q and num_sms > num_seqs))
+        more_dq_copies=broadcast_q and num_sms > num_seqs,
+        mean_queries=q.shape[0] if broadcast_q else q.shape[0] / max(num_seqs, 1)))
     kv_heads = k.shape[1]
     broadcast_q_len = q.shape[0] if broadcast_q else 0
     if grads is None:
@@ -903,7 +1011,8 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     _jagged_bwd_kernel[grid](
         _rows_descriptor(q, config["BLOCK_M"]), _rows_descriptor(k, config["BLOCK_N"] // NUM_CONSUMERS.value),
         _rows_descriptor(v, config["BLOCK_N"] // NUM_CONSUMERS.value), _rows_descriptor(dout, config["BLOCK_M"]),
-        _rows_descriptor(dq_accum.flatten(0, 1), config["BLOCK_M"]),
+        _rows_descriptor(dq_accum.flatten(0, 1), config["BLOCK_M"],
+                         head_dim // NUM_CONSUMERS.value if config["DQ_SPLIT"] else None),
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if by_key_block is None else by_key_block.blocks, None if by_key_block is None else by_key_block.counts,
         0 if by_key_block is None else by_key_block.row_blocks, lse.stride(0), delta.stride(0), row_width,
