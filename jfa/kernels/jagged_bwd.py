@@ -123,8 +123,8 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # a ring of that many fp32 stages, and consumer 0 reduce-adds the sum: half the global adds, which
 # cost 6-10% of the backward (results/bwd-dq-reduce-cost-*). At D=64 (2 x 16 KB more shared memory)
 # the whole backward ran GEM +2-8%, PMA +11-15% against one reduce-add per consumer
-# (results/ab-bwd-dq-handoff-*). At D=128 one slot in the stage that consumer 1 no longer needed
-# (224 KB) ran 0.74-0.93x the separate mode, slower than without it (results/bwd-dq-modes-d128-*).
+# (results/ab-bwd-dq-handoff-*). At D=128 (one slot, in the stage consumer 1 no longer needed, 224 KB)
+# it ran 0.74-0.83x the separate mode, no better than without it (results/bwd-dq-modes-d128-variants-*).
 # DQ_SPLIT (tma_reduce only): the step in FlashAttention-3's orientation, `_consumer_q_step_split_dq`;
 # at D=128 the other orientation spills (see FUSED_DQ_MIN_MEAN_QUERIES for the measurements).
 TUNING = {
