@@ -405,6 +405,11 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     HALF_D: tl.constexpr = HEAD_DIM // NUM_CONSUMERS
     s = tlx.async_dot(q_tile, tlx.local_trans(k_tile))
     dp = tlx.async_dot(do_tile, tlx.local_trans(v_tile))
+    # The head and the key columns too are re-derived each step (`per_step`), the columns from their
+    # first (the vector's minimum, hoisted): kept across the loop they were reloaded from local memory
+    # every step (7-19 values per step; 1 this way).
+    head = per_step(head)
+    kv_cols = per_step(tl.min(kv_cols, 0)) + tl.arange(0, KEYS)
     q_rows = q_row0 + tl.arange(0, BLOCK_M)
     row_ok = q_rows < q_len
     lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows, mask=row_ok, other=0.0)
