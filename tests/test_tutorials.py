@@ -15,7 +15,7 @@ from jfa.inspect import compile_spec, inspect
 REPO = Path(__file__).resolve().parents[1]
 TUTORIALS = ["t01_ws_producer_consumer", "t02_pipelined_ring", "t03_ws_wgmma_gemm",
              "t04_attention_pingpong", "t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem",
-             "t07_consumer_handoff"]
+             "t07_consumer_handoff", "t08_consumer_exchange"]
 BLACKWELL_TUTORIALS = ["t05_blackwell_tmem_gemm", "t06_blackwell_attention_tmem"]
 MAX_LINES = 220  # a tutorial is read top to bottom in one sitting
 
@@ -25,6 +25,7 @@ CONFIGS = [(name, {}) for name in TUTORIALS] + [
     ("t02_pipelined_ring", {"NUM_STAGES": 4}),
     ("t04_attention_pingpong", {"PINGPONG": False}),
     ("t04_attention_pingpong", {"HEAD_DIM": 128, "BLOCK_N": 128}),
+    ("t08_consumer_exchange", {"K": 64}),
 ]
 
 
@@ -73,6 +74,18 @@ def test_handoff_writes_each_tile_once_without_global_adds():
     assert not re.search(r"\b(?:atom|red)\.|cp\.reduce\.async", ptx)
 
 
+def test_exchange_meets_once_and_stores_each_half_once():
+    """t08: each consumer waits once at the named barrier over both consumer warpgroups (256 threads)
+    and TMA-stores its own half of the block: two stores per program, and no global adds."""
+    module = load("t08_consumer_exchange")
+    for k in module.INNER_DIMS:
+        ptx = compile_spec(module.inspect_spec(K=k), "sm_90").asm["ptx"]
+        named = rf"bar\.sync\s+{module.BOTH_STAGED.value},\s*{module.PAIR_THREADS.value};"
+        assert len(re.findall(named, ptx)) == module.NUM_CONSUMERS.value
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == module.NUM_CONSUMERS.value
+        assert not re.search(r"\b(?:atom|red)\.|cp\.reduce\.async", ptx)
+
+
 def test_module_main_prints_the_report_on_cpu():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     result = subprocess.run([sys.executable, "-m", "tutorials.t01_ws_producer_consumer"], cwd=REPO,
@@ -97,6 +110,14 @@ def test_host_wrappers_reject_bad_input_before_launch():
     for gemm in (t03.ws_gemm, load("t07_consumer_handoff").split_k_gemm):
         with pytest.raises(ValueError, match=r"a.shape\[1\] must equal b.shape\[0\]"):
             gemm(torch.zeros(8, 16, dtype=torch.float16), torch.zeros(24, 8, dtype=torch.float16))
+    chain = load("t08_consumer_exchange").chain
+    half = torch.zeros(8, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"a.shape\[1\] must be one of"):
+        chain(torch.zeros(8, 96, dtype=torch.float16), half, half)
+    with pytest.raises(ValueError, match="b must be"):
+        chain(torch.zeros(8, 64, dtype=torch.float16), half, torch.zeros(128, 128, dtype=torch.float16))
+    with pytest.raises(ValueError, match="float16"):
+        chain(torch.zeros(8, 64), half, half)
     q = torch.zeros(2, 100, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="multiple of"):
         t04.attention_fwd(q, q, q)

@@ -4,7 +4,7 @@ import importlib
 import pytest
 
 HOPPER_TUTORIALS = ["t01_ws_producer_consumer", "t02_pipelined_ring", "t03_ws_wgmma_gemm",
-                    "t04_attention_pingpong", "t07_consumer_handoff"]
+                    "t04_attention_pingpong", "t07_consumer_handoff", "t08_consumer_exchange"]
 
 
 @pytest.mark.gpu
