@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from jfa import inspect as jinspect
+from jfa.bench import case_lengths
 from jfa import schedule as tile_schedule, specs
 from jfa.kernels import jagged_bwd
 from jfa.reference import visible_mask
@@ -224,6 +225,28 @@ def test_default_dq_mode_fuses_only_where_measured_faster():
     # the separate mode's per-sequence ones
     assert jagged_bwd.default_dq_mode(64, False, 100, False, more_dq_copies=True) == "separate"
     assert jagged_bwd.default_dq_mode(128, False, 4096, False, more_dq_copies=True) == "separate"
+
+
+def test_batch_dq_mode_on_the_benchmark_batches():
+    """The mode the backward picks by itself for each benchmark batch, from the packed sizes alone: at
+    D=128 the fused mode from a mean of FUSED_DQ_MIN_MEAN_QUERIES query rows per sequence (broadcast-Q:
+    the shared query's rows, so PMA keeps the separate mode), at D=64 up to FUSED_DQ_MAX_MEAN_KEYS keys."""
+    num_sms = 132  # the H200's
+    least = jagged_bwd.FUSED_DQ_MIN_MEAN_QUERIES[128]
+    for suite in ("gem", "pma", "dense"):
+        for case in specs.BENCH_SUITES[suite]:
+            q_lens, kv_lens = case_lengths(case)
+            broadcast_q = suite == "pma"
+            q_rows = q_lens[0] if broadcast_q else sum(q_lens)
+            mean_queries = q_lens[0] if broadcast_q else sum(q_lens) / len(q_lens)
+            for head_dim in specs.SUPPORTED_HEAD_DIMS:
+                mode = jagged_bwd.batch_dq_mode(head_dim, q_rows, sum(kv_lens), len(kv_lens), num_sms, False,
+                                                broadcast_q, False)
+                fused = mean_queries >= least if head_dim == 128 else True
+                assert mode == ("tma_reduce" if fused else "separate"), (suite, case["case"], head_dim, mode)
+    # broadcast-Q over fewer sequences than SMs: never fused (its per-program dQ copies would outnumber)
+    assert jagged_bwd.batch_dq_mode(64, 64, 100 * 40, 40, num_sms, False, True, False) == "separate"
+    assert jagged_bwd.batch_dq_mode(128, 4096, 4096, 1, num_sms, True, False, True) == "separate"  # block-sparse
 
 
 # ---- the schedule ----------------------------------------------------------------------------

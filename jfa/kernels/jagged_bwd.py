@@ -788,6 +788,18 @@ def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse:
     return FUSED_DQ_DEFAULT_MODE if fused else DEFAULT_DQ_MODE
 
 
+def batch_dq_mode(head_dim: int, q_rows: int, kv_rows: int, num_seqs: int, num_sms: int, causal: bool,
+                  broadcast_q: bool, block_sparse: bool) -> str:
+    """`default_dq_mode` for a packed batch of `num_seqs` sequences, its means from the packed sizes
+    (no GPU->host sync): with broadcast-Q every sequence sees all `q_rows` rows of the shared query,
+    and the fused mode's dQ copies (one per program, at most `num_sms`) outnumber the separate mode's
+    (one per sequence) when there are fewer sequences than SMs."""
+    per_seq = max(num_seqs, 1)
+    return default_dq_mode(head_dim, causal, kv_rows / per_seq, block_sparse,
+                           more_dq_copies=broadcast_q and num_sms > num_seqs,
+                           mean_queries=q_rows if broadcast_q else q_rows / per_seq)
+
+
 def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEFAULT_DQ_MODE) -> str:
     """The dQ strategy to run: `dq_mode` if given, else `default` (`default_dq_mode`); deterministic
     needs "separate"."""
@@ -969,10 +981,8 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    dq_mode = resolve_dq_mode(dq_mode, deterministic, default_dq_mode(
-        head_dim, causal, k.shape[0] / max(num_seqs, 1), selection is not None,
-        more_dq_copies=broadcast_q and num_sms > num_seqs,
-        mean_queries=q.shape[0] if broadcast_q else q.shape[0] / max(num_seqs, 1)))
+    dq_mode = resolve_dq_mode(dq_mode, deterministic, batch_dq_mode(
+        head_dim, q.shape[0], k.shape[0], num_seqs, num_sms, causal, broadcast_q, selection is not None))
     kv_heads = k.shape[1]
     broadcast_q_len = q.shape[0] if broadcast_q else 0
     if grads is None:
