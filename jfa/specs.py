@@ -69,6 +69,7 @@ def tflops(flops: float, ms: float) -> float:
 # ---- ceilings measured on the H200 (shared/design/anchors-h200.md) ----------------------------
 H200_BF16_GEMM_TFLOPS = 790.0
 H200_COPY_TBPS = 4.3
+H200_SM_COUNT = 132  # streaming multiprocessors: the persistent kernels' program count
 
 
 # ==== benchmark suites and providers (owned by jfa/bench.py; suites are data) ==================

@@ -231,7 +231,7 @@ def test_batch_dq_mode_on_the_benchmark_batches():
     """The mode the backward picks by itself for each benchmark batch, from the packed sizes alone: at
     D=128 the fused mode from a mean of FUSED_DQ_MIN_MEAN_QUERIES query rows per sequence (broadcast-Q:
     the shared query's rows, so PMA keeps the separate mode), at D=64 up to FUSED_DQ_MAX_MEAN_KEYS keys."""
-    num_sms = 132  # the H200's
+    num_sms = specs.H200_SM_COUNT
     least = jagged_bwd.FUSED_DQ_MIN_MEAN_QUERIES[128]
     for suite in ("gem", "pma", "dense"):
         for case in specs.BENCH_SUITES[suite]:
