@@ -30,25 +30,38 @@ def _gpu_available(major: int, arch: str) -> tuple[bool, str]:
     return True, ""
 
 
-def gemm_operands(a, b, out, a_box, b_box, c_box):
-    """The GEMM tutorials' host side of ``a @ b``: check the operands (contiguous 2-D float16, rows
-    TMA can load, matching K; a ValueError names the argument), make `out` if it is None, and return
-    `(c, a_desc, b_desc, c_desc)`, TMA descriptors whose boxes are `a_box`, `b_box`, `c_box`."""
+def check_matrices(**named) -> None:
+    """Each named tensor must be a contiguous 2-D float16 matrix whose rows TMA can load; a ValueError
+    names the argument that is not."""
     import torch
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from jfa.specs import TMA_ALIGN_BYTES
 
-    for arg, t in (("a", a), ("b", b)):
+    for arg, t in named.items():
         if t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float16:
             raise ValueError(f"{arg} must be a contiguous 2-D float16 tensor, got {t.dtype} {tuple(t.shape)}")
         if (t.shape[1] * t.element_size()) % TMA_ALIGN_BYTES:
             raise ValueError(f"TMA needs {TMA_ALIGN_BYTES}-byte aligned rows: pad {arg}.shape[1] ({t.shape[1]})")
+
+
+def matrix_descriptor(t, box):
+    """A TMA descriptor of the contiguous matrix `t`, loading and storing `box`-shaped tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, shape=list(t.shape), strides=[t.shape[1], 1], block_shape=list(box))
+
+
+def gemm_operands(a, b, out, a_box, b_box, c_box):
+    """The GEMM tutorials' host side of ``a @ b``: check the operands (`check_matrices`, matching K),
+    make `out` if it is None, and return `(c, a_desc, b_desc, c_desc)`, TMA descriptors whose boxes
+    are `a_box`, `b_box`, `c_box`."""
+    import torch
+
+    check_matrices(a=a, b=b)
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
     c = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=a.dtype) if out is None else out
-    return (c, *(TensorDescriptor(t, shape=list(t.shape), strides=[t.shape[1], 1], block_shape=list(box))
-                 for t, box in ((a, a_box), (b, b_box), (c, c_box))))
+    return (c, *(matrix_descriptor(t, box) for t, box in ((a, a_box), (b, b_box), (c, c_box))))
 
 
 def check_gemm(gemm, label: str, M: int, N: int, K: int, seed: int) -> None:

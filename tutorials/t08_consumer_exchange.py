@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa.inspect import KernelSpec
-from jfa.specs import FWD_TOL, TMA_ALIGN_BYTES
+from jfa.specs import FWD_TOL
+from tutorials import check_matrices, matrix_descriptor
 
 NUM_CONSUMERS = tl.constexpr(2)  # consumer warpgroups, each forming half of X's and of Y's columns
 HALF = tl.constexpr(64)  # the columns each consumer forms: one wgmma N-tile
@@ -78,19 +78,13 @@ def chain_kernel(a_desc, b_desc, w_desc, y_desc, BLOCK_M: tl.constexpr, K: tl.co
             y_desc.store([off_m, cid * HALF], y.to(tlx.dtype_of(y_desc)))
 
 
-def _descriptor(t: torch.Tensor, box) -> TensorDescriptor:
-    return TensorDescriptor(t, shape=list(t.shape), strides=[t.shape[1], 1], block_shape=list(box))
-
-
 def chain(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(a @ b) @ w`` for float16 CUDA matrices, the intermediate rounded to float16 as the kernel
     stages it: a [M, K] with K in INNER_DIMS, b [K, 128], w [128, 128]; written into `out` or a new
     tensor. A ValueError names the argument that does not fit."""
     width = NUM_CONSUMERS.value * HALF.value
-    for arg, t in (("a", a), ("b", b), ("w", w)):
-        if t.dim() != 2 or not t.is_contiguous() or t.dtype != torch.float16:
-            raise ValueError(f"{arg} must be a contiguous 2-D float16 tensor, got {t.dtype} {tuple(t.shape)}")
-    if a.shape[1] not in INNER_DIMS or (a.shape[1] * a.element_size()) % TMA_ALIGN_BYTES:
+    check_matrices(a=a, b=b, w=w)
+    if a.shape[1] not in INNER_DIMS:
         raise ValueError(f"a.shape[1] must be one of {INNER_DIMS} (one TMA box), got {a.shape[1]}")
     if tuple(b.shape) != (a.shape[1], width) or tuple(w.shape) != (width, width):
         raise ValueError(f"b must be [{a.shape[1]}, {width}] and w [{width}, {width}]; "
@@ -98,8 +92,8 @@ def chain(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, out: torch.Tensor |
     y = torch.empty(a.shape[0], width, device=a.device, dtype=a.dtype) if out is None else out
     k = a.shape[1]
     chain_kernel[(triton.cdiv(a.shape[0], BLOCK_M),)](
-        _descriptor(a, (BLOCK_M, k)), _descriptor(b, (k, HALF.value)), _descriptor(w, (HALF.value, width)),
-        _descriptor(y, (BLOCK_M, HALF.value)), BLOCK_M=BLOCK_M, K=k)
+        matrix_descriptor(a, (BLOCK_M, k)), matrix_descriptor(b, (k, HALF.value)),
+        matrix_descriptor(w, (HALF.value, width)), matrix_descriptor(y, (BLOCK_M, HALF.value)), BLOCK_M=BLOCK_M, K=k)
     return y
 
 
