@@ -96,11 +96,13 @@ FUSED_DQ_MAX_MEAN_KEYS_CAUSAL = {64: 1024}
 FUSED_DQ_MIN_MEAN_QUERIES = {128: 512}  # no lower limit at a head dim not listed
 
 NUM_CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, each owning half the tile's keys
-# DQ_SPLIT's consumers meet at these named barriers: once both have staged their dS, and once both
-# have read both (the backward has no ping-pong, so the forward's ping-pong ids and thread count
-# serve: the same two warpgroups).
+# DQ_SPLIT's consumers meet at this named barrier once per query block, when both have staged their
+# dS (the backward has no ping-pong, so the forward's ping-pong id and thread count serve: the same
+# two warpgroups). dS alternates between two stages per consumer, so no second meeting is needed
+# before a stage is rewritten: a consumer rewrites it two steps later, past the next step's meeting,
+# which the other reaches only after waiting for the dQ wgmmas that read it.
 DS_READY_BARRIER: tl.constexpr = PINGPONG_BARRIER_FIRST
-DS_FREE_BARRIER: tl.constexpr = tl.constexpr(PINGPONG_BARRIER_FIRST.value + 1)
+DQ_SPLIT_DS_STAGES: tl.constexpr = tl.constexpr(2)  # dS stages per consumer, alternating by step
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
 PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
 
@@ -382,7 +384,7 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, hando
 
 
 @triton.jit
-def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage, ds_stages, dq_stage,
+def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage, ds_stages, ds_slot, dq_stage,
                               desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, head, q_start, q_len, out_row0, kv_len,
                               kv_cols, q_row0, window, stride_lse_head, stride_delta_head, qk_scale_log2, sm_scale,
                               cid: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -394,7 +396,9 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     dQ piece on top of that spills. Here S = Q K^T (queries x this consumer's keys): LSE and Delta
     are 2 values per thread; P and dS go to shared memory, and dV += P^T dO, dK += dS^T Q read them
     transposed from there. dQ is split by head dimension: consumer c forms dQ[:, c-th half of D] over
-    all BLOCK_N keys from both consumers' dS (two named barriers per query block), a [64, 64] piece.
+    all BLOCK_N keys from both consumers' dS (one named barrier per query block; `ds_slot` alternates
+    the dS stages by step), a [64, 64] piece. dV is issued as soon as P is staged, so it runs while
+    dS is formed (`results/bwd-d128-early-dv-*`: 1.00-1.04x).
     `kv_slot` is the per-step index of `common.per_step`: three matrix multiplies read K or V here,
     and descriptors hoisted out of the loop spilled (34-46 reloads per step, and 0.81x the separate
     mode; 7-19 and 1.04-1.31x from a mean of 512 queries this way).
@@ -420,22 +424,23 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
         # Keys past the sequence end must be masked here: their dS feeds dQ of valid rows.
         visible = visible_mask(q_rows, kv_cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW) & row_ok[:, None]
         p = tl.where(visible, p, 0.0)
-    dp = tlx.async_dot_wait(0, dp)
-    ds = p * (dp - delta[:, None])
+    # dV needs only P: it runs on the tensor cores while dS is formed (the wait for dP leaves it pending).
     tlx.local_store(p_stage, p.to(dtype))
-    ds_stage = ds_stages[cid]
-    tlx.local_store(ds_stage, ds.to(dtype))
     tlx.fence_async_shared()
     dv = tlx.async_dot(tlx.local_trans(p_stage), do_tile, dv)
+    dp = tlx.async_dot_wait(1, dp)
+    ds = p * (dp - delta[:, None])
+    ds_stage = ds_stages[ds_slot * NUM_CONSUMERS + cid]
+    tlx.local_store(ds_stage, ds.to(dtype))
+    tlx.fence_async_shared()
     tlx.named_barrier_wait(DS_READY_BARRIER, PINGPONG_THREADS)
-    dq = tlx.async_dot(ds_stages[0],
+    dq = tlx.async_dot(ds_stages[ds_slot * NUM_CONSUMERS],
                        tlx.local_slice(k_tiles[kv_slot * NUM_CONSUMERS], [0, cid * HALF_D], [KEYS, HALF_D]))
-    dq = tlx.async_dot(ds_stages[1],
+    dq = tlx.async_dot(ds_stages[ds_slot * NUM_CONSUMERS + 1],
                        tlx.local_slice(k_tiles[kv_slot * NUM_CONSUMERS + 1], [0, cid * HALF_D], [KEYS, HALF_D]), dq)
     # dK goes last, so the dQ store below runs while it does: wait for every group but dK's.
     dk = tlx.async_dot(tlx.local_trans(ds_stage), q_tile, dk)
     dq = tlx.async_dot_wait(1, dq)
-    tlx.named_barrier_wait(DS_FREE_BARRIER, PINGPONG_THREADS)  # both have read both dS: they may be rewritten
     # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
     # clips rows past the tensor end.
     tlx.async_descriptor_store_wait(0)  # the previous reduce has read the staging buffer
@@ -466,9 +471,9 @@ def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_t
     if DQ_SPLIT:
         dk, dv = _consumer_q_step_split_dq(
             q_tiles[slot], do_tiles[slot], k_tiles, kv_slot, v_tiles[kv_index], p_stages[cid], ds_stages,
-            dq_stages[cid], desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, head, q_start, q_len, out_row0, kv_len,
-            kv_cols, q_row0, window, stride_lse_head, stride_delta_head, qk_scale_log2, sm_scale, cid, HEAD_DIM,
-            BLOCK_M, CAUSAL, HAS_WINDOW, MASKED)
+            q_loads % DQ_SPLIT_DS_STAGES, dq_stages[cid], desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, head, q_start,
+            q_len, out_row0, kv_len, kv_cols, q_row0, window, stride_lse_head, stride_delta_head, qk_scale_log2,
+            sm_scale, cid, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, MASKED)
     else:
         dk, dv = _consumer_q_step(
             q_tiles[slot], do_tiles[slot], k_tiles[kv_index], v_tiles[kv_index], ds_stages[cid], dq_stages,
@@ -526,8 +531,8 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
     k_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
     v_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
-    if DQ_SPLIT:  # dS and P (queries x keys), one stage each per consumer
-        ds_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, CONSUMERS)
+    if DQ_SPLIT:  # dS and P (queries x keys): DQ_SPLIT_DS_STAGES dS stages and one P stage per consumer
+        ds_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, DQ_SPLIT_DS_STAGES * CONSUMERS)
         p_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, CONSUMERS)
     else:  # dS^T (keys x queries); p_stages never read
         ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
