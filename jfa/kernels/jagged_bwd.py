@@ -550,8 +550,11 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     kv_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
     kv_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
     if DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:
-        handoff_fulls = tlx.alloc_barriers(num_barriers=DQ_HANDOFF_BUFFERS, arrive_count=1)
-        handoff_empties = tlx.alloc_barriers(num_barriers=DQ_HANDOFF_BUFFERS, arrive_count=1)
+        # The handoff moves dQ with plain shared stores and loads, so every thread arrives (warp
+        # barriers): racecheck orders a thread's accesses by its own arrive, not through the
+        # warpgroup `bar.sync` before one elected thread's (scripts/racecheck_ws_probe.py).
+        handoff_fulls = tlx.alloc_warp_barrier(DQ_HANDOFF_BUFFERS, num_warps=WARPGROUP_WARPS)
+        handoff_empties = tlx.alloc_warp_barrier(DQ_HANDOFF_BUFFERS, num_warps=WARPGROUP_WARPS)
     else:  # never waited on
         handoff_fulls = q_fulls
         handoff_empties = q_empties
