@@ -153,7 +153,7 @@ def _runs_by_default(cfg) -> bool:
 
 # Values a wgmma loop of a benchmarked kernel may reload from local memory per step (head dim, dQ mode):
 # what they reloaded when last measured, so a change that adds reloads fails here first.
-LOOP_RELOAD_BUDGET = {(64, SEP): 0, (64, TMA): 0, (128, SEP): 3, (128, TMA): 3}
+LOOP_RELOAD_BUDGET = {(64, SEP): 0, (64, TMA): 0, (128, SEP): 3, (128, TMA): 0}
 
 
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if _runs_by_default(c)], ids=_config_id)
@@ -163,7 +163,8 @@ def test_benchmark_configurations_keep_their_loops_reload_budget(compiled, cfg):
     up to 11 (measured 0.92-1.00x); rows-only masks made the loop clean. The K/V slot indexed per step
     (`common.per_step`) costs the separate D=128 kernel 3 reloads in one consumer's loop and ran
     1.00-1.09x on the shapes it is the default for; it took the fused D=128 step from 34-46 reloads
-    to 7-19, where it passed the separate mode from a mean of 512 queries (results/bwd-dq-modes-d128-*)."""
+    to 7-19, where it passed the separate mode from a mean of 512 queries (results/bwd-dq-modes-d128-*);
+    the head and key columns per step took it to 1, and two dS stages per consumer to 0."""
     head_dim, *_, dq_mode = cfg
     loops = jinspect.mma_loops(compiled[("tlx", cfg)]["cubin"])
     assert loops, "no wgmma loop found in the SASS"

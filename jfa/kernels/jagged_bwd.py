@@ -384,11 +384,23 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, hando
 
 
 @triton.jit
+def _lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, q_row0, q_len, stride_lse_head, stride_delta_head,
+                    BLOCK_M: tl.constexpr):
+    """LSE (in log2 units) and Delta of the query block at sequence-local row `q_row0`; 0 past `q_len`."""
+    q_rows = q_row0 + tl.arange(0, BLOCK_M)
+    row_ok = q_rows < q_len
+    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows, mask=row_ok, other=0.0)
+    return lse * LOG2E, delta
+
+
+@triton.jit
 def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage, ds_stages, ds_slot, dq_stage,
-                              desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, head, q_start, q_len, out_row0, kv_len,
-                              kv_cols, q_row0, window, stride_lse_head, stride_delta_head, qk_scale_log2, sm_scale,
-                              cid: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr):
+                              desc_dq, dq_row0, dk, dv, lse_log2, delta, lse_ptr, delta_ptr, head, q_start, q_len,
+                              out_row0, kv_len, kv_cols, q_row0, next_q_row0, window, stride_lse_head,
+                              stride_delta_head, qk_scale_log2, sm_scale, cid: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                              HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr):
     """The fused tma_reduce step in FlashAttention-3's orientation (DQ_SPLIT, D=128).
 
     `_consumer_q_step` computes S^T (keys x queries), so P^T and dS^T feed the dV and dK wgmmas from
@@ -398,10 +410,14 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     transposed from there. dQ is split by head dimension: consumer c forms dQ[:, c-th half of D] over
     all BLOCK_N keys from both consumers' dS (one named barrier per query block; `ds_slot` alternates
     the dS stages by step), a [64, 64] piece. dV is issued as soon as P is staged, so it runs while
-    dS is formed (`results/bwd-d128-early-dv-*`: 1.00-1.04x).
+    dS is formed (`results/ab-bwd-early-dv-d128-*`: 1.00-1.04x).
     `kv_slot` is the per-step index of `common.per_step`: three matrix multiplies read K or V here,
     and descriptors hoisted out of the loop spilled (34-46 reloads per step, and 0.81x the separate
     mode; 7-19 and 1.04-1.31x from a mean of 512 queries this way).
+    `lse_log2` and `delta` of this block were loaded a step ahead; the step loads those of the block
+    at `next_q_row0` and returns them: loaded in the step that uses them, their global-load latency
+    held up the wgmma issue (`results/ncu-bwd-d128-fused-20261130T0420Z.json`; this way dense 1.075x,
+    GEM 1.00-1.05x, causal 0.98-1.00x, `results/ab-bwd-lse-ahead-d128-*`).
     """
     dtype: tl.constexpr = q_tile.dtype
     k_tile = k_tiles[kv_slot * NUM_CONSUMERS + cid]
@@ -414,12 +430,12 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     # every step (7-19 values per step; 1 this way).
     head = per_step(head)
     kv_cols = per_step(tl.min(kv_cols, 0)) + tl.arange(0, KEYS)
+    next_lse_log2, next_delta = _lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, next_q_row0, q_len,
+                                                stride_lse_head, stride_delta_head, BLOCK_M)
     q_rows = q_row0 + tl.arange(0, BLOCK_M)
     row_ok = q_rows < q_len
-    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows, mask=row_ok, other=0.0)
     s = tlx.async_dot_wait(1, s)
-    p = tl.math.exp2(s * qk_scale_log2 - (lse * LOG2E)[:, None])
+    p = tl.math.exp2(s * qk_scale_log2 - lse_log2[:, None])
     if MASKED:
         # Keys past the sequence end must be masked here: their dS feeds dQ of valid rows.
         visible = visible_mask(q_rows, kv_cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW) & row_ok[:, None]
@@ -450,30 +466,34 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
                                store_reduce="add")
     dv = tlx.async_dot_wait(0, dv)
     dk = tlx.async_dot_wait(0, dk)
-    return dk, dv
+    return dk, dv, next_lse_log2, next_delta
 
 
 @triton.jit
 def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot, ds_stages,
                       p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr,
-                      delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected, window,
-                      stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
+                      delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected,
+                      head_blocks, lse_log2, delta, window, stride_lse_head, stride_delta_head, stride_dq_row,
+                      qk_scale_log2, sm_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr,
                       cid: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
-    """The `block`-th streamed query block: wait for its Q/dO slot, run the step, free the slot."""
+    """The `block`-th streamed query block: wait for its Q/dO slot, run the step, free the slot.
+    With DQ_SPLIT, `lse_log2` and `delta` are this block's, and the next block's are returned."""
     slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
     tlx.barrier_wait(q_fulls[slot], phase)
     q_row0 = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE)
     kv_slot = per_step(kv_slot)
     kv_index = kv_slot * NUM_CONSUMERS + cid
     if DQ_SPLIT:
-        dk, dv = _consumer_q_step_split_dq(
+        next_q_row0 = _query_block_row(tl.minimum(block + 1, head_blocks - 1), first_row, selected, BLOCK_M, BLOCK_N,
+                                       BLOCK_SPARSE)
+        dk, dv, lse_log2, delta = _consumer_q_step_split_dq(
             q_tiles[slot], do_tiles[slot], k_tiles, kv_slot, v_tiles[kv_index], p_stages[cid], ds_stages,
-            q_loads % DQ_SPLIT_DS_STAGES, dq_stages[cid], desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, head, q_start,
-            q_len, out_row0, kv_len, kv_cols, q_row0, window, stride_lse_head, stride_delta_head, qk_scale_log2,
-            sm_scale, cid, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, MASKED)
+            q_loads % DQ_SPLIT_DS_STAGES, dq_stages[cid], desc_dq, dq_row0, dk, dv, lse_log2, delta, lse_ptr,
+            delta_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, q_row0, next_q_row0, window, stride_lse_head,
+            stride_delta_head, qk_scale_log2, sm_scale, cid, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, MASKED)
     else:
         dk, dv = _consumer_q_step(
             q_tiles[slot], do_tiles[slot], k_tiles[kv_index], v_tiles[kv_index], ds_stages[cid], dq_stages,
@@ -482,7 +502,7 @@ def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_t
             stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE,
             DQ_HANDOFF_BUFFERS, cid, MASKED)
     tlx.barrier_arrive(q_empties[slot], 1)
-    return dk, dv, q_loads + 1
+    return dk, dv, q_loads + 1, lse_log2, delta
 
 
 @triton.jit
@@ -631,14 +651,22 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             bulk_lo, bulk_hi = _full_block_range(
                                 col0 + cid * KEYS, col0 + cid * KEYS + KEYS - 1, first_row, head_blocks,
                                 q_len, kv_len, window, BLOCK_M, CAUSAL, HAS_WINDOW)
+                        lse_log2 = tl.zeros([BLOCK_M], tl.float32)  # the first block's, with DQ_SPLIT
+                        delta = tl.zeros([BLOCK_M], tl.float32)
+                        if DQ_SPLIT and head_blocks > 0:
+                            lse_log2, delta = _lse_delta_rows(
+                                lse_ptr, delta_ptr, head, out_row0,
+                                _query_block_row(0, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE), q_len,
+                                stride_lse_head, stride_delta_head, BLOCK_M)
                         for segment in tl.static_range(3 if BULK else 1):
                             lo, hi = loop_segment(segment, 0, bulk_lo, bulk_hi, head_blocks)
                             for block in range(lo, hi):
-                                dk, dv, q_loads = _consumer_q_block(
+                                dk, dv, q_loads, lse_log2, delta = _consumer_q_block(
                                     block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot,
                                     ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0,
                                     dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
-                                    kv_cols, first_row, selected, window, stride_lse_head, stride_delta_head,
+                                    kv_cols, first_row, selected, head_blocks, lse_log2, delta, window,
+                                    stride_lse_head, stride_delta_head,
                                     stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                                     NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE, DQ_HANDOFF_BUFFERS, DQ_SPLIT, cid,
                                     BLOCK_SPARSE, segment != 1)
