@@ -25,7 +25,9 @@ program (B and W: 128 columns, W: 128 rows):
 
 A program makes one block here, so each stage is written once. In a loop (the backward's loop over
 query blocks) a consumer may rewrite its stage only after the other has read it: a second named
-barrier after the reads (jfa's ``DS_FREE_BARRIER``), or two stages per consumer used alternately.
+barrier after the reads, or two stages per consumer used alternately, as jfa's backward does
+(``DQ_SPLIT_DS_STAGES``): a stage is rewritten two steps later, past the next step's barrier,
+which the other consumer reaches only after waiting for the wgmmas that read it.
 """
 import torch
 import triton
