@@ -474,8 +474,7 @@ def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_t
                       p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr,
                       delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected,
                       head_blocks, lse_log2, delta, window, stride_lse_head, stride_delta_head, stride_dq_row,
-                      qk_scale_log2, sm_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr,
                       cid: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
@@ -666,10 +665,9 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                                     ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0,
                                     dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
                                     kv_cols, first_row, selected, head_blocks, lse_log2, delta, window,
-                                    stride_lse_head, stride_delta_head,
-                                    stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE, DQ_HANDOFF_BUFFERS, DQ_SPLIT, cid,
-                                    BLOCK_SPARSE, segment != 1)
+                                    stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
+                                    DQ_HANDOFF_BUFFERS, DQ_SPLIT, cid, BLOCK_SPARSE, segment != 1)
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
                     # Store inside the branch: joining the wgmma accumulators with a zero tile
