@@ -19,6 +19,7 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
 - `zigzag_turns` / `zigzag_tile`: which tiles of a longest-first list a persistent program takes.
 - `online_softmax_step`: one KV tile of the streaming softmax in the exp2 domain, with the
   conditional rescale of the running maximum.
+- `lse_delta_rows`: a query block's LSE and Delta, the backward's per-row terms.
 - `finalize_rows`: the epilogue math: normalize by the row sum and form the natural-log LSE, with the
   "row saw no key" case giving 0 and -inf.
 """
@@ -217,9 +218,23 @@ def finalize_rows(acc, m_i, l_i, out_dtype: tl.constexpr):
 
 
 @triton.jit
+def lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, q_row0, q_len, stride_lse_head, stride_delta_head,
+                    BLOCK_M: tl.constexpr):
+    """LSE (in log2 units) and Delta of the query block at sequence-local row `q_row0`; 0 past `q_len`.
+
+    Both are `[heads, rows]` with the row index `out_row0 + row` (the backward's per-row terms)."""
+    q_rows = q_row0 + tl.arange(0, BLOCK_M)
+    row_ok = q_rows < q_len
+    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows, mask=row_ok, other=0.0)
+    return lse * LOG2E, delta
+
+
+@triton.jit
 def store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, head, stride_out_row,
                stride_lse_head, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Masked store of an output tile and its LSE: rows past the sequence end are never written.
+    """Masked store of an output tile and its LSE (none when `lse` is None): rows past the sequence
+    end are never written.
 
     A TMA store would write whole tiles and clobber the next sequence's rows, so the jagged
     epilogue stores from registers with a row mask (out is `[rows, heads, HEAD_DIM]` row-major).
@@ -233,4 +248,5 @@ def store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, head, str
     dims = tl.arange(0, HEAD_DIM)
     row_base = out_rows.to(tl.int64) * stride_out_row + head * HEAD_DIM
     tl.store(out_ptr + row_base[:, None] + dims[None, :], out, mask=row_valid[:, None])
-    tl.store(lse_ptr + head.to(tl.int64) * stride_lse_head + out_rows, lse, mask=row_valid)
+    if lse is not None:
+        tl.store(lse_ptr + head.to(tl.int64) * stride_lse_head + out_rows, lse, mask=row_valid)

@@ -57,8 +57,9 @@ import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
-from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, per_step, ring_slot,
-                                sequence_rows, visible_key_range, visible_mask)
+from jfa.kernels import jagged_fwd
+from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, lse_delta_rows,
+                                per_step, ring_slot, sequence_rows, visible_key_range, visible_mask)
 from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
@@ -384,17 +385,6 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, hando
 
 
 @triton.jit
-def _lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, q_row0, q_len, stride_lse_head, stride_delta_head,
-                    BLOCK_M: tl.constexpr):
-    """LSE (in log2 units) and Delta of the query block at sequence-local row `q_row0`; 0 past `q_len`."""
-    q_rows = q_row0 + tl.arange(0, BLOCK_M)
-    row_ok = q_rows < q_len
-    lse = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + q_rows, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + q_rows, mask=row_ok, other=0.0)
-    return lse * LOG2E, delta
-
-
-@triton.jit
 def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage, ds_stages, ds_slot, dq_stage,
                               desc_dq, dq_row0, dk, dv, lse_log2, delta, lse_ptr, delta_ptr, head, q_start, q_len,
                               out_row0, kv_len, kv_cols, q_row0, next_q_row0, window, stride_lse_head,
@@ -430,7 +420,7 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     # every step (7-19 values per step; 1 this way).
     head = per_step(head)
     kv_cols = per_step(tl.min(kv_cols, 0)) + tl.arange(0, KEYS)
-    next_lse_log2, next_delta = _lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, next_q_row0, q_len,
+    next_lse_log2, next_delta = lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, next_q_row0, q_len,
                                                 stride_lse_head, stride_delta_head, BLOCK_M)
     q_rows = q_row0 + tl.arange(0, BLOCK_M)
     row_ok = q_rows < q_len
@@ -653,7 +643,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                         lse_log2 = tl.zeros([BLOCK_M], tl.float32)  # the first block's, with DQ_SPLIT
                         delta = tl.zeros([BLOCK_M], tl.float32)
                         if DQ_SPLIT and head_blocks > 0:
-                            lse_log2, delta = _lse_delta_rows(
+                            lse_log2, delta = lse_delta_rows(
                                 lse_ptr, delta_ptr, head, out_row0,
                                 _query_block_row(0, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE), q_len,
                                 stride_lse_head, stride_delta_head, BLOCK_M)
@@ -1075,8 +1065,13 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     # Separate (deterministic) dQ: broadcast-Q writes one fp32 partial per sequence, summed in a fixed order.
     dq_target = (torch.empty((num_seqs, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
                  if broadcast_q else dq)
-    launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_seq_len_q, sm_scale, causal, window,
-              broadcast_q, dq_config(q.shape[0], k.shape[0], num_seqs, broadcast_q, head_dim), selection)
+    if selection is None:
+        jagged_fwd.jagged_attention_dq(dout, q, k, v, lse, delta, dq_target.flatten(0, 1) if broadcast_q else dq,
+                                       q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal, window,
+                                       broadcast_q)
+    else:
+        launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_seq_len_q, sm_scale, causal,
+                  window, broadcast_q, dq_config(q.shape[0], k.shape[0], num_seqs, broadcast_q, head_dim), selection)
     if broadcast_q:
         dq.copy_(dq_target.sum(0))
     return dq, dk, dv

@@ -66,12 +66,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.fp8 import transposed_value_layout
-from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, online_softmax_step, pingpong_enter,
-                                pingpong_exit, pingpong_start, ring_slot, sequence_rows, store_rows,
+from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, lse_delta_rows, online_softmax_step,
+                                pingpong_enter, pingpong_exit, pingpong_start, ring_slot, sequence_rows, store_rows,
                                 visible_key_range, visible_mask, zigzag_tile, zigzag_turns)
 from jfa.schedule import build_tile_schedule
 
-NUM_Q_BUFFERS: tl.constexpr = tl.constexpr(2)  # the next tile's Q lands while this one computes
+NUM_Q_BUFFERS = 2  # the next tile's Q lands while this one computes (Q_BUFFERS, unless a tuning says otherwise)
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)  # wgmma's unit: 4 warps
 PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
 
@@ -116,6 +116,17 @@ SHORT_KV_MEAN_LEN = 384
 # while L=512 s=1 and dense, which have no partial tile, ran 2.6% and 1.5% slower with the path
 # compiled in.
 HALF_TAIL_MAX_KV_LEN = 256
+# The dQ fork (DQ) holds, per consumer, the dQ accumulator, S, dP and dS, and its Q ring carries dO
+# too. At D=128 128-key tiles put S, dP and dS (64 + 64 + 32 registers) beside the 64 of dQ, so it
+# takes 64-key tiles. Two heads per tile (broadcast-Q with q_len <= 64) store fp32 partials, whose
+# masked store takes 64 KB of layout-conversion scratch at D=128: there Q and dO are single-buffered
+# and the K/V tiles hold 32 keys (96 KB of ring), which fits the 227 KB.
+DQ_TUNING = {
+    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
+    (128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=2),
+    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
+    (128, 2): dict(BLOCK_N=32, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
+}
 # Launched (and inspected) at num_stages 0. At num_stages >= 1 Triton's software pipeliner puts a
 # `wgmma.wait_group 0` right after every `tlx.async_dot` whose result it cannot prove safe to leave
 # in flight, which is every one here (visible in the TTGIR that `jfa.inspect` compiles): each wgmma
@@ -352,18 +363,63 @@ def _consumer_kv_step(q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_e
 
 
 @triton.jit
-def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr, lse_ptr,
+def _consumer_dq_step(q_tile, do_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, ds, acc,
+                      lse_log2, delta, kv_count, col0, rows, q_len, kv_len, window, qk_scale_log2,
+                      cid: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      NUM_KV_BUFFERS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, KEYS: tl.constexpr,
+                      CONSUMERS: tl.constexpr, FIRST: tl.constexpr):
+    """One KV tile of the dQ fork (DQ): issue S(n) = Q K(n)^T, dP(n) = dO V(n)^T and dQ += dS(n-1) K(n-1)
+    in one ping-pong turn, then form dS(n) = P(n) * (dP(n) - Delta), P(n) = exp2(S(n)*scale - LSE).
+
+    `_consumer_kv_step` with the backward's math: dS takes P's part and K takes V's (dQ = dS K as
+    O = P V), so the previous tile's dQ wgmma runs while this one's dS is formed. V(n) is released
+    once dP(n) is done; K(n) only after the next step's dQ wgmma has read it (the K/V ring's depth
+    covers that: the producer refills a K slot NUM_KV_BUFFERS tiles later). FIRST: the peeled first
+    tile, with no dQ pending (`ds` unused). Invisible (query, key) pairs get P = 0, hence dS = 0:
+    keys past the sequence end read the next sequence's rows, and a row that sees no key has LSE -inf.
+    """
+    LANE: tl.constexpr = cid if HEADS_PER_TILE == 2 else 0
+    PENDING: tl.constexpr = 0 if FIRST else 1  # the previous tile's dQ wgmma, issued after S and dP
+    slot, phase = ring_slot(kv_count, NUM_KV_BUFFERS)
+    buf = slot * HEADS_PER_TILE + LANE
+    tlx.barrier_wait(k_fulls[buf], phase)
+    tlx.barrier_wait(v_fulls[buf], phase)
+    pingpong_enter(cid)
+    s = tlx.async_dot(q_tile, tlx.local_trans(_first_keys(k_tiles[buf], KEYS)))
+    dp = tlx.async_dot(do_tile, tlx.local_trans(_first_keys(v_tiles[buf], KEYS)))
+    if not FIRST:  # the previous tile is whole: only the last tile can be a half one
+        prev_slot, _ = ring_slot(kv_count - 1, NUM_KV_BUFFERS)
+        prev_buf = prev_slot * HEADS_PER_TILE + LANE
+        acc = tlx.async_dot(ds.to(k_tiles.dtype), k_tiles[prev_buf], acc)
+    pingpong_exit(cid, CONSUMERS)
+
+    s = tlx.async_dot_wait(PENDING + 1, s)
+    p = tl.math.exp2(s * qk_scale_log2 - lse_log2[:, None])
+    if MASKED:
+        cols = col0 + tl.arange(0, KEYS)
+        p = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW), p, 0.0)
+    dp = tlx.async_dot_wait(PENDING, dp)
+    tlx.barrier_arrive(v_empties[buf], 1)
+    ds = p * (dp - delta[:, None])
+    if not FIRST:
+        acc = tlx.async_dot_wait(0, acc)
+        tlx.barrier_arrive(k_empties[prev_buf], 1)
+    return ds, acc, kv_count + 1
+
+
+@triton.jit
+def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do, out_ptr, lse_ptr,
                        q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr,
                        kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, stride_out_row, stride_lse_head,
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
-                       qk_scale_log2, v_descale, HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+                       qk_scale_log2, acc_scale, delta_ptr, stride_delta_head,
+                       HEAD_DIM: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                        BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr, NUM_KV_BUFFERS: tl.constexpr,
                        CONSUMER_REGISTERS: tl.constexpr, HALF_TAIL: tl.constexpr,
                        BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, FP8: tl.constexpr,
-                       NUM_CONSUMERS: tl.constexpr):
+                       NUM_CONSUMERS: tl.constexpr, DQ: tl.constexpr, Q_BUFFERS: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
-    Q_BUFFERS: tl.constexpr = NUM_Q_BUFFERS
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
     # One head per tile: the consumers split BLOCK_M = 64 x CONSUMERS query rows. Two heads per tile
     # (short queries): both consumers take the same 64 rows, consumer c of query head `head + c`.
@@ -372,8 +428,9 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
     HEAD_STEP: tl.constexpr = 0 if HEADS_PER_TILE == 1 else 1
     KV_READERS: tl.constexpr = CONSUMERS // HEADS_PER_TILE  # consumers that free each K/V tile
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
-    out_dtype: tl.constexpr = out_ptr.dtype.element_ty  # q's dtype, or bf16 from FP8 inputs
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty  # q's dtype, bf16 from FP8 inputs, fp32 dQ partials
     Q_BYTES: tl.constexpr = ROWS * HEAD_DIM * tlx.size_of(dtype)
+    Q_SLOT_BYTES: tl.constexpr = Q_BYTES * (2 if DQ else 1)  # the dQ fork loads dO beside Q
 
     num_entries = tl.load(num_entries_ptr)
     num_tiles = num_entries * (num_q_heads // HEADS_PER_TILE)
@@ -381,6 +438,10 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
     tile_stride = tl.num_programs(0)
 
     q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
+    if DQ:
+        do_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
+    else:
+        do_tiles = q_tiles  # unused
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
     v_tiles = tlx.local_alloc((HEAD_DIM, BLOCK_N) if FP8 else (BLOCK_N, HEAD_DIM), dtype,
                               NUM_KV_BUFFERS * HEADS_PER_TILE)
@@ -408,17 +469,24 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
                      SEL_WIDTH, FP8)
+                if DQ:  # dO differs per sequence: no Q block is reused
+                    q_key = tile
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
                         q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
                         for c in tl.static_range(CONSUMERS):
                             buf = q_slot * CONSUMERS + c
                             tlx.barrier_wait(q_empties[buf], q_phase ^ 1)
-                            tlx.barrier_expect_bytes(q_fulls[buf], Q_BYTES)
+                            tlx.barrier_expect_bytes(q_fulls[buf], Q_SLOT_BYTES)
                             tlx.async_descriptor_load(
                                 desc_q, q_tiles[buf],
                                 [q_row0 + c * ROW_STEP, (head + c * HEAD_STEP) * HEAD_DIM],
                                 q_fulls[buf])
+                            if DQ:
+                                tlx.async_descriptor_load(
+                                    desc_do, do_tiles[buf],
+                                    [out_row0 + row_lo + c * ROW_STEP, (head + c * HEAD_STEP) * HEAD_DIM],
+                                    q_fulls[buf])
                         q_loads += 1
                         loaded_q_key = q_key
                     num_steps = num_kv_tiles - half_tail  # key tiles loaded whole
@@ -455,6 +523,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
                      SEL_WIDTH, FP8)
+                if DQ:
+                    q_key = tile
                 first_row = row_lo + cid * ROW_STEP
                 rows = first_row + tl.arange(0, ROWS)
                 my_head = head + cid * HEAD_STEP
@@ -462,6 +532,9 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                     m_i = tl.full([ROWS], float("-inf"), tl.float32)
                     l_i = tl.zeros([ROWS], tl.float32)
                     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+                    if DQ:
+                        lse_log2, delta = lse_delta_rows(lse_ptr, delta_ptr, my_head, out_row0, first_row, q_len,
+                                                         stride_lse_head, stride_delta_head, ROWS)
                     if q_key != loaded_q_key:
                         # Release the previous Q only now: with two Q buffers the producer has
                         # already been able to prefetch this one.
@@ -473,22 +546,30 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                         q_loads += 1
                         loaded_q_key = q_key
                     q_tile = q_tiles[((q_loads - 1) % Q_BUFFERS) * CONSUMERS + cid]
+                    do_tile = do_tiles[((q_loads - 1) % Q_BUFFERS) * CONSUMERS + cid]
 
                     # Peeled first KV tile: QK^T only (there is no previous P·V to overlap).
-                    k_slot, k_phase = ring_slot(kv_count, NUM_KV_BUFFERS)
-                    k_buf = k_slot * HEADS_PER_TILE + LANE
-                    tlx.barrier_wait(k_fulls[k_buf], k_phase)
-                    pingpong_enter(cid)
-                    qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_buf]))
-                    pingpong_exit(cid, CONSUMERS)
-                    qk = tlx.async_dot_wait(0, qk)
-                    tlx.barrier_arrive(k_empties[k_buf], 1)
-                    cols = _key_tile_col(0, first_col, selected, BLOCK_N,
-                                         BLOCK_SPARSE) + tl.arange(0, BLOCK_N)
-                    qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL,
-                                               HAS_WINDOW), qk, float("-inf"))
-                    p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i, qk_scale_log2, True)
-                    kv_count += 1
+                    first_key = _key_tile_col(0, first_col, selected, BLOCK_N, BLOCK_SPARSE)
+                    if DQ:
+                        p, acc, kv_count = _consumer_dq_step(
+                            q_tile, do_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, None,
+                            acc, lse_log2, delta, kv_count, first_key, rows, q_len, kv_len, window,
+                            qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW, NUM_KV_BUFFERS, HEADS_PER_TILE,
+                            BLOCK_N, CONSUMERS, True)
+                    else:
+                        k_slot, k_phase = ring_slot(kv_count, NUM_KV_BUFFERS)
+                        k_buf = k_slot * HEADS_PER_TILE + LANE
+                        tlx.barrier_wait(k_fulls[k_buf], k_phase)
+                        pingpong_enter(cid)
+                        qk = tlx.async_dot(q_tile, tlx.local_trans(k_tiles[k_buf]))
+                        pingpong_exit(cid, CONSUMERS)
+                        qk = tlx.async_dot_wait(0, qk)
+                        tlx.barrier_arrive(k_empties[k_buf], 1)
+                        cols = first_key + tl.arange(0, BLOCK_N)
+                        qk = tl.where(visible_mask(rows, cols, q_len, kv_len, window, CAUSAL,
+                                                   HAS_WINDOW), qk, float("-inf"))
+                        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i, qk_scale_log2, True)
+                        kv_count += 1
 
                     # Leading edge (window start), mask-free bulk, trailing edge (diagonal/end).
                     num_steps = num_kv_tiles - half_tail  # key tiles taken whole
@@ -496,33 +577,60 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, out_ptr
                         lo, hi = loop_segment(segment, 1, bulk_lo, bulk_hi, num_steps)
                         for n in range(lo, hi):
                             col0 = _key_tile_col(n, first_col, selected, BLOCK_N, BLOCK_SPARSE)
-                            p, acc, m_i, l_i, kv_count = _consumer_kv_step(
-                                q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                                acc, m_i, l_i, kv_count, col0, rows, q_len,
-                                kv_len, window, qk_scale_log2, cid, segment != 1, CAUSAL, HAS_WINDOW,
-                                BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
+                            if DQ:
+                                p, acc, kv_count = _consumer_dq_step(
+                                    q_tile, do_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties,
+                                    p, acc, lse_log2, delta, kv_count, col0, rows, q_len, kv_len, window,
+                                    qk_scale_log2, cid, segment != 1, CAUSAL, HAS_WINDOW, NUM_KV_BUFFERS,
+                                    HEADS_PER_TILE, BLOCK_N, CONSUMERS, False)
+                            else:
+                                p, acc, m_i, l_i, kv_count = _consumer_kv_step(
+                                    q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                                    acc, m_i, l_i, kv_count, col0, rows, q_len,
+                                    kv_len, window, qk_scale_log2, cid, segment != 1, CAUSAL, HAS_WINDOW,
+                                    BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
 
-                    # Drain: the last tile's P·V; a half last tile multiplies only its half.
+                    # Drain: the last tile's P·V (the dQ fork's dS K); a half last tile multiplies
+                    # only its half.
+                    if DQ:
+                        acc_tiles, acc_fulls, acc_empties = k_tiles, k_fulls, k_empties
+                    else:
+                        acc_tiles, acc_fulls, acc_empties = v_tiles, v_fulls, v_empties
                     if HALF_TAIL and half_tail:  # compiled only with HALF_TAIL
-                        p_tail, acc, m_i, l_i, kv_count = _consumer_kv_step(
-                            q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
-                            acc, m_i, l_i, kv_count, first_col + num_steps * BLOCK_N,
-                            rows, q_len, kv_len, window, qk_scale_log2, cid, True, CAUSAL,
-                            HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8,
-                            CONSUMERS)
-                        acc = _consumer_drain(p_tail, acc, v_tiles, v_fulls, v_empties, kv_count,
+                        tail_col = first_col + num_steps * BLOCK_N
+                        if DQ:
+                            p_tail, acc, kv_count = _consumer_dq_step(
+                                q_tile, do_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                                acc, lse_log2, delta, kv_count, tail_col, rows, q_len, kv_len, window,
+                                qk_scale_log2, cid, True, CAUSAL, HAS_WINDOW, NUM_KV_BUFFERS, HEADS_PER_TILE,
+                                BLOCK_N // 2, CONSUMERS, False)
+                        else:
+                            p_tail, acc, m_i, l_i, kv_count = _consumer_kv_step(
+                                q_tile, k_tiles, v_tiles, k_fulls, k_empties, v_fulls, v_empties, p,
+                                acc, m_i, l_i, kv_count, tail_col,
+                                rows, q_len, kv_len, window, qk_scale_log2, cid, True, CAUSAL,
+                                HAS_WINDOW, BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8,
+                                CONSUMERS)
+                        acc = _consumer_drain(p_tail, acc, acc_tiles, acc_fulls, acc_empties, kv_count,
                                               cid, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N // 2, FP8)
                     else:
-                        acc = _consumer_drain(p, acc, v_tiles, v_fulls, v_empties, kv_count, cid,
+                        acc = _consumer_drain(p, acc, acc_tiles, acc_fulls, acc_empties, kv_count, cid,
                                               NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8)
 
                     # Finalize inside the branch: joining the wgmma accumulator with a zero tile
                     # would make the compiler convert fp32 accumulators through shared memory.
-                    if FP8:  # V's per-tensor scale, applied once instead of on every P·V
-                        acc = acc * v_descale
-                    out, lse = finalize_rows(acc, m_i, l_i, out_dtype)
-                    store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, my_head,
-                               stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
+                    if FP8 or DQ:  # V's per-tensor scale (FP8) or sm_scale (dQ), applied once
+                        acc = acc * acc_scale
+                    if DQ:
+                        store_rows(out_ptr, lse_ptr, acc.to(out_dtype), None, out_row0, first_row, q_len,
+                                   my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
+                    else:
+                        out, lse = finalize_rows(acc, m_i, l_i, out_dtype)
+                        store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, my_head,
+                                   stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
+                elif DQ:  # the block sees no key at all: dQ 0
+                    store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], out_dtype), None, out_row0,
+                               first_row, q_len, my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
                 else:  # the block sees no key at all: output 0, LSE -inf
                     store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], out_dtype),
                                tl.full([ROWS], float("-inf"), tl.float32), out_row0, first_row,
@@ -534,7 +642,7 @@ _SIGNATURE_AFTER_OUT = dict(
     tile_entries_ptr="*i32", num_entries_ptr="*i32", sel_q_blocks="i32", stride_out_row="i32",
     stride_lse_head="i32",
     num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32",
-    gqa_group="i32", qk_scale_log2="fp32", v_descale="fp32")
+    gqa_group="i32", qk_scale_log2="fp32", acc_scale="fp32")
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_OUT_DTYPE = specs.FP8_OUT_DTYPE
@@ -558,8 +666,11 @@ def heads_per_tile(max_seq_len_q: int, q_heads: int) -> int:
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                   window: int | None = None, broadcast_q: bool = False,
                   heads_per_tile: int = 1, entry_major: bool = False, half_tail: bool = False,
-                  selection_width: int = 0, short_kv: bool = False, long_seqs: bool = False) -> dict:
+                  selection_width: int = 0, short_kv: bool = False, long_seqs: bool = False,
+                  dq: bool = False) -> dict:
     """The kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
+
+    `dq` compiles the dQ fork (`jagged_attention_dq`), tuned by DQ_TUNING.
 
     `short_kv` (keys average at most SHORT_KV_MEAN_LEN per sequence, `is_short_kv`) takes
     SHORT_KV_TUNING's entry where it has one; `long_seqs` (`is_long`) takes LONG_TUNING's.
@@ -590,8 +701,11 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
         if heads_per_tile != 1 or window is not None or broadcast_q or half_tail or short_kv or long_seqs:
             raise ValueError("the block-sparse forward takes one head per tile and no window, "
                              "broadcast-Q, half last tiles, short-key or long-sequence tuning")
+    if dq and (dtype == FP8_DTYPE or selection_width or short_kv or long_seqs):
+        raise ValueError("the dQ fork takes bf16 or fp16, no block selection and no short-key or "
+                         "long-sequence tuning")
     key = (head_dim, heads_per_tile)
-    tuning = TUNING[key]
+    tuning = DQ_TUNING[key] if dq else TUNING[key]
     if short_kv:
         tuning = SHORT_KV_TUNING.get(key, tuning)
     if long_seqs:
@@ -600,28 +714,34 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
                 ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
                 BLOCK_SPARSE=selection_width > 0, SEL_WIDTH=max(selection_width, 1),
-                FP8=dtype == FP8_DTYPE, **tuning)
+                FP8=dtype == FP8_DTYPE, DQ=dq, **(dict(Q_BUFFERS=NUM_Q_BUFFERS) | tuning))
 
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  window: int | None = None, broadcast_q: bool = False, heads_per_tile: int = 1,
                  entry_major: bool = False, half_tail: bool = False, selection_width: int = 0,
-                 short_kv: bool = False, long_seqs: bool = False):
-    """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed)."""
+                 short_kv: bool = False, long_seqs: bool = False, dq: bool = False):
+    """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed);
+    `dq` describes the dQ fork (fp32 per-sequence partials with broadcast-Q)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                                heads_per_tile=heads_per_tile, entry_major=entry_major,
                                half_tail=half_tail, selection_width=selection_width, short_kv=short_kv,
-                               long_seqs=long_seqs)
+                               long_seqs=long_seqs, dq=dq)
     name = _TRITON_DTYPE_NAMES[dtype]
     kv_box = f"tensordesc<{name}[{constexprs['BLOCK_N']}, {head_dim}]>"
     tail_box = f"tensordesc<{name}[{constexprs['BLOCK_N'] // 2}, {head_dim}]>"
     fp8 = constexprs["FP8"]
-    signature = dict(desc_q=f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>", desc_k=kv_box,
+    rows_box = f"tensordesc<{name}[{ROWS_PER_CONSUMER.value}, {head_dim}]>"
+    out_name = "fp32" if dq and broadcast_q else _TRITON_DTYPE_NAMES[FP8_OUT_DTYPE] if fp8 else name
+    signature = dict(desc_q=rows_box, desc_k=kv_box,
                      desc_v=f"tensordesc<{name}[{head_dim}, {constexprs['BLOCK_N']}]>" if fp8 else kv_box,
-                     desc_k_tail=tail_box, desc_v_tail=tail_box,
-                     out_ptr=f"*{_TRITON_DTYPE_NAMES[FP8_OUT_DTYPE] if fp8 else name}", **_SIGNATURE_AFTER_OUT)
+                     desc_k_tail=tail_box, desc_v_tail=tail_box, desc_do=rows_box if dq else "constexpr",
+                     out_ptr=f"*{out_name}", **_SIGNATURE_AFTER_OUT,
+                     delta_ptr="*fp32" if dq else "constexpr", stride_delta_head="i32")
+    if not dq:  # launched with None there
+        constexprs = constexprs | dict(desc_do=None, delta_ptr=None)
     if selection_width:
         signature.update(kv_blocks_ptr="*i32", kv_block_counts_ptr="*i32")
     else:  # launched with None there: compile-time constants
@@ -629,7 +749,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
         constexprs = constexprs | dict(kv_blocks_ptr=None, kv_block_counts_ptr=None)
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_kernel, signature=signature, constexprs=constexprs,
-                      num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, name="jagged_fwd",
+                      num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, name="jagged_dq" if dq else "jagged_fwd",
                       aligned=("stride_out_row",),
                       role_names=("producer",) + tuple(f"consumer{c}" for c in range(constexprs["NUM_CONSUMERS"])),
                       target="sm_90")
@@ -713,7 +833,6 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     """
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
     q_len = q.shape[0] if broadcast_q else 0
     out_rows = num_seqs * q_len if broadcast_q else q.shape[0]
     if max_seq_len_q is None:  # costs a device sync; callers on the hot path pass it
@@ -734,14 +853,44 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
         lse.fill_(float("-inf"))
         return out, lse
 
+    q_descale, k_descale, v_descale = descale
+    _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, causal, window, broadcast_q,
+            sm_scale * q_descale * k_descale * LOG2E.value, float(v_descale), schedule=schedule, selection=selection)
+    return out, lse
+
+
+def jagged_attention_dq(dout, q, k, v, lse, delta, dq, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
+                        sm_scale, causal, window, broadcast_q) -> None:
+    """The backward's dQ by this kernel's dQ fork (DQ), written into `dq`.
+
+    The forward's tiles, schedule and K/V ring, with the step math of `_consumer_dq_step`: each
+    program owns its query rows and walks their keys in order, so dQ needs no atomics and repeats bit
+    for bit. `lse` is the forward's, `delta` = rowsum(O * dO) (`jagged_bwd.compute_delta`), both
+    `[Hq, Tq_out]`. `dq` is dQ itself (q's dtype), or with broadcast-Q fp32 per-sequence partials
+    `[num_seqs * q_len, Hq, D]` (sequence b's from row b * q_len, like its output rows), which the
+    caller sums. Inputs as for `jagged_attention_fwd`, with at least one query row and one key.
+    """
+    _launch(q, k, v, dq, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, causal, window, broadcast_q,
+            sm_scale * LOG2E.value, sm_scale, dout=dout, delta=delta)
+
+
+def _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, causal, window, broadcast_q,
+            qk_scale_log2, acc_scale, *, schedule=None, selection=None, dout=None, delta=None):
+    """Configure, schedule and launch the kernel into `out`: the forward (writing `lse`), or with
+    `dout` and `delta` its dQ fork (reading `lse`). `acc_scale` multiplies the accumulator once."""
+    num_seqs = kv_offsets.numel() - 1
+    q_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    fp8 = q.dtype == FP8_DTYPE
+    dq = dout is not None
     pairing = 1 if selection is not None or fp8 else heads_per_tile(max_seq_len_q, q_heads)
     plain = selection is None and not fp8  # the forks keep their own key tiles
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window,
                            broadcast_q=broadcast_q, heads_per_tile=pairing,
                            half_tail=plain and max_seq_len_kv <= HALF_TAIL_MAX_KV_LEN,
                            selection_width=0 if selection is None else selection.width,
-                           short_kv=plain and is_short_kv(k.shape[0], num_seqs),
-                           long_seqs=plain and is_long(out_rows, k.shape[0], num_seqs))
+                           short_kv=plain and not dq and is_short_kv(k.shape[0], num_seqs),
+                           long_seqs=plain and not dq and is_long(out.shape[0], k.shape[0], num_seqs), dq=dq)
     if schedule is None:
         schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q,
                                        block_m=tile_rows(pairing, config["NUM_CONSUMERS"]),
@@ -757,17 +906,16 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
                                   block_shape=[head_dim, config["BLOCK_N"]])
     else:
         desc_v = _rows_descriptor(v, config["BLOCK_N"])
-    q_descale, k_descale, v_descale = descale
     _jagged_fwd_kernel[grid](
         _rows_descriptor(q, ROWS_PER_CONSUMER.value),
         _rows_descriptor(k, config["BLOCK_N"]), desc_v,
         _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(k if fp8 else v, config["BLOCK_N"] // 2),
+        _rows_descriptor(dout, ROWS_PER_CONSUMER.value) if dq else None,
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if selection is None else selection.blocks,
         None if selection is None else selection.counts,
         0 if selection is None else selection.row_blocks,
-        out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q_len,
-        0 if window is None else window, q_heads // kv_heads,
-        sm_scale * q_descale * k_descale * LOG2E.value, float(v_descale),
+        out.stride(0), lse.stride(0), q_heads, schedule.q_blocks_per_seq, q.shape[0] if broadcast_q else 0,
+        0 if window is None else window, q_heads // kv_heads, qk_scale_log2, acc_scale,
+        delta, 0 if delta is None else delta.stride(0),
         num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, **config)
-    return out, lse

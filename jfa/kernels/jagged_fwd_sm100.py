@@ -235,7 +235,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     kv_box = f"tensordesc<{name}[{BLOCK_N}, {head_dim}]>"
     signature = dict(desc_q=f"tensordesc<{name}[{BLOCK_M.value}, {head_dim}]>", desc_k=kv_box, desc_v=kv_box,
                      out_ptr=f"*{name}",
-                     **{k: v for k, v in _SIGNATURE_AFTER_OUT.items() if k not in ("sel_q_blocks", "v_descale")})
+                     **{k: v for k, v in _SIGNATURE_AFTER_OUT.items() if k not in ("sel_q_blocks", "acc_scale")})
     signature.update({k: "constexpr" for k in constexprs})
     return KernelSpec(fn=_jagged_fwd_sm100_kernel, signature=signature, constexprs=constexprs,
                       num_warps=SOFTMAX_WARPS, num_stages=NUM_STAGES, name="jagged_fwd_sm100",

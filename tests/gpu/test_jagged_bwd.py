@@ -175,6 +175,30 @@ def test_fused_dq_modes(name, dq_mode):
     check_case(case.pop("q_lens"), case.pop("kv_lens"), dq_mode=dq_mode, **case)
 
 
+SEPARATE_DQ_CASES = {  # the separate mode's dQ (the forward kernel's dQ fork) where the defaults fuse it
+    "edge_d64": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS, head_dim=64),
+    "gqa4_causal_d64": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS, heads_q=8, heads_kv=2, head_dim=64,
+                            causal=True),
+    "long_causal_window200": dict(q_lens=LONG_LENGTHS, kv_lens=LONG_LENGTHS, causal=True, window=200,
+                                  heads_q=2, heads_kv=2),
+    # at most 64 query rows: two heads per tile; at most 256 keys: half last key tiles
+    "short_queries_paired_heads": dict(q_lens=[1, 17, 64, 33, 0, 64], kv_lens=[70, 256, 129, 5, 40, 193],
+                                       heads_q=4, heads_kv=2),
+    "short_queries_paired_heads_d64": dict(q_lens=[1, 17, 64, 33, 0, 64], kv_lens=[70, 256, 129, 5, 40, 193],
+                                           heads_q=4, heads_kv=2, head_dim=64, causal=True),
+    "pma_q64_window": dict(q_lens=[64] * 12, kv_lens=random_lengths(12, 0, 700, seed=5), broadcast_q=True,
+                           window=30),
+    "pma_q64_d64": dict(q_lens=[64] * 12, kv_lens=random_lengths(12, 0, 700, seed=5), broadcast_q=True,
+                        head_dim=64),
+}
+
+
+@pytest.mark.parametrize("name", SEPARATE_DQ_CASES)
+def test_separate_dq_mode(name):
+    case = dict(SEPARATE_DQ_CASES[name])
+    check_case(case.pop("q_lens"), case.pop("kv_lens"), dq_mode="separate", **case)
+
+
 DETERMINISTIC_CASES = {
     "self": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS),
     "gqa4_causal_window": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS, heads_q=8, heads_kv=2, causal=True,
