@@ -118,15 +118,21 @@ SHORT_KV_MEAN_LEN = 384
 HALF_TAIL_MAX_KV_LEN = 256
 # The dQ fork (DQ) holds, per consumer, the dQ accumulator, S, dP and dS, and its Q ring carries dO
 # too. At D=128 128-key tiles put S, dP and dS (64 + 64 + 32 registers) beside the 64 of dQ, so it
-# takes 64-key tiles. Two heads per tile (broadcast-Q with q_len <= 64) store fp32 partials, whose
-# masked store takes 64 KB of layout-conversion scratch at D=128: there Q and dO are single-buffered
-# and the K/V tiles hold 32 keys (96 KB of ring), which fits the 227 KB.
+# takes 64-key tiles; two heads per tile then have room for Q and dO single-buffered only.
 DQ_TUNING = {
-    (64, 1): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
+    (64, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
     (128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=2),
-    (64, 2): dict(BLOCK_N=128, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
+    (64, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
+    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
+}
+# With broadcast-Q the fork stores fp32 per-sequence partials, and at D=128 their masked store takes
+# 64 KB of layout-conversion scratch: Q and dO single-buffered, and with two heads per tile 32-key
+# K/V tiles (96 KB of ring) fit the 227 KB.
+DQ_PARTIALS_TUNING = {
+    (128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
     (128, 2): dict(BLOCK_N=32, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
 }
+MIN_HALF_TILE_KEYS = 32  # a half last tile is a wgmma's N, which TLX takes from 32 up
 # Launched (and inspected) at num_stages 0. At num_stages >= 1 Triton's software pipeliner puts a
 # `wgmma.wait_group 0` right after every `tlx.async_dot` whose result it cannot prove safe to leave
 # in flight, which is every one here (visible in the TTGIR that `jfa.inspect` compiles): each wgmma
@@ -705,14 +711,17 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False,
         raise ValueError("the dQ fork takes bf16 or fp16, no block selection and no short-key or "
                          "long-sequence tuning")
     key = (head_dim, heads_per_tile)
-    tuning = DQ_TUNING[key] if dq else TUNING[key]
+    tuning = TUNING[key]
+    if dq:
+        tuning = DQ_PARTIALS_TUNING.get(key, DQ_TUNING[key]) if broadcast_q else DQ_TUNING[key]
     if short_kv:
         tuning = SHORT_KV_TUNING.get(key, tuning)
     if long_seqs:
         tuning = LONG_TUNING.get(key, tuning)
     return dict(HEAD_DIM=head_dim, HEADS_PER_TILE=heads_per_tile, CAUSAL=bool(causal),
                 HAS_WINDOW=window is not None, BROADCAST_Q=bool(broadcast_q),
-                ENTRY_MAJOR=bool(entry_major), HALF_TAIL=bool(half_tail),
+                ENTRY_MAJOR=bool(entry_major),
+                HALF_TAIL=half_tail and tuning["BLOCK_N"] // 2 >= MIN_HALF_TILE_KEYS,
                 BLOCK_SPARSE=selection_width > 0, SEL_WIDTH=max(selection_width, 1),
                 FP8=dtype == FP8_DTYPE, DQ=dq, **(dict(Q_BUFFERS=NUM_Q_BUFFERS) | tuning))
 
