@@ -386,6 +386,14 @@ def test_deterministic_dq_kernel_interpreted_matches_reference():
     assert "interpreted dQ kernel ok" in result.stdout
 
 
+def test_separate_dq_comes_from_the_forward_fork_where_it_pays():
+    assert jagged_bwd.separate_dq_by_fork(128, broadcast_q=False, q_rows=10**6, block_sparse=False)
+    assert jagged_bwd.separate_dq_by_fork(128, broadcast_q=True, q_rows=64, block_sparse=False)  # PMA q=64
+    assert not jagged_bwd.separate_dq_by_fork(128, broadcast_q=True, q_rows=65, block_sparse=False)
+    assert jagged_bwd.separate_dq_by_fork(64, broadcast_q=True, q_rows=256, block_sparse=False)
+    assert not jagged_bwd.separate_dq_by_fork(128, broadcast_q=False, q_rows=128, block_sparse=True)
+
+
 def test_dq_kernel_shape_follows_mean_sequence_lengths():
     """Many query rows and many keys per sequence get the 128-row dQ blocks, the rest the 64-row ones
     (at D=64, many query rows)."""

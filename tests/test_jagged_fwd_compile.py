@@ -165,6 +165,37 @@ def test_qk_and_pv_stay_in_flight(compiled, name):
     assert compiled[cfg]["wgmma_waits"]["right_after_issue"] == consumers * (2 if half_tail else 1)
 
 
+# The dQ fork (`jagged_fwd.jagged_attention_dq`, the backward's separate-mode dQ): D 64 and 128, one
+# and two heads per tile, broadcast-Q's fp32 partials (`jagged_fwd.DQ_PARTIALS_TUNING`), masks, half
+# last tiles.
+DQ_FORK_CONFIGS = {
+    "d128": dict(head_dim=128),
+    "d128-fp16-causal-window": dict(head_dim=128, dtype=FP16, causal=True, window=32),
+    "d128-bcastq": dict(head_dim=128, broadcast_q=True),
+    "d128-bcastq-2heads-halftail": dict(head_dim=128, broadcast_q=True, heads_per_tile=2, entry_major=True,
+                                        half_tail=True),
+    "d128-2heads-halftail-causal": dict(head_dim=128, heads_per_tile=2, entry_major=True, half_tail=True,
+                                        causal=True),
+    "d64": dict(head_dim=64),
+    "d64-bcastq-window": dict(head_dim=64, broadcast_q=True, window=8),
+    "d64-bcastq-2heads-halftail": dict(head_dim=64, broadcast_q=True, heads_per_tile=2, entry_major=True,
+                                       half_tail=True),
+}
+
+
+@pytest.mark.parametrize("name", DQ_FORK_CONFIGS)
+def test_dq_fork_compiles_without_spills(name):
+    """The dQ fork fits in shared memory, runs S, dP and dQ on wgmma in a warp-specialized kernel,
+    and its KV loops neither load nor store local memory (with causal and window masks together
+    ptxas spills a few values outside them, within the forward's budget)."""
+    report = jinspect.inspect(jagged_fwd.inspect_spec(dq=True, **DQ_FORK_CONFIGS[name]), "sm_90", want_ptx=True)
+    assert report.shared_bytes <= specs.SHARED_BYTES_PER_BLOCK["sm_90"]
+    assert _count(report.ptx, "setmaxnreg.inc") >= 1 and _count(report.ptx, "wgmma.mma_async") > 0
+    assert max(report.spill_bytes.values()) <= FORWARD_SPILL_BUDGET_BYTES, report.spill_bytes
+    assert report.loops, "no wgmma loop found in the SASS"
+    assert all(max(loop["local_loads"], loop["local_stores"]) == 0 for loop in report.loops), report.loops
+
+
 def test_bad_config_raises():
     with pytest.raises(ValueError, match="head_dim"):
         jagged_fwd.kernel_config(96, torch.bfloat16)
@@ -188,6 +219,10 @@ def test_bad_config_raises():
         jagged_fwd.kernel_config(64, FP8, long_seqs=True)
     with pytest.raises(ValueError, match="long_seqs"):
         jagged_fwd.kernel_config(64, torch.bfloat16, short_kv=True, long_seqs=True)
+    with pytest.raises(ValueError, match="dQ fork"):
+        jagged_fwd.kernel_config(128, FP8, dq=True)
+    with pytest.raises(ValueError, match="dQ fork"):
+        jagged_fwd.kernel_config(128, torch.bfloat16, selection_width=16, dq=True)
 
 
 @pytest.mark.parametrize("flag,table", [("short_kv", "SHORT_KV_TUNING"), ("long_seqs", "LONG_TUNING")])

@@ -12,9 +12,11 @@ dQ is the only gradient that several programs add to (every KV tile of a sequenc
 every query row that sees it). Three ways to form it (`dq_mode`):
 
 - "separate" (the default for short batches, and what `deterministic=True` runs): the TLX kernel computes dK and dV
-  only, and dQ comes from a query-stationary kernel (`_dq_kernel`) in which each program owns its
-  rows and walks the keys in a fixed order: no float atomics, bitwise reproducible. It recomputes S
-  and dP, yet measured 3-4x faster on the H200 than the fused atomic mode below;
+  only, and dQ comes from a query-stationary kernel in which each program owns its rows and walks
+  the keys in a fixed order: no float atomics, bitwise reproducible. That is the forward kernel's dQ
+  fork (`jagged_fwd.jagged_attention_dq`), or the plain Triton `_dq_kernel` where the fork does not
+  pay or apply (`separate_dq_by_fork`). It recomputes S and dP, yet measured 3-4x faster on the
+  H200 than the fused atomic mode below;
 - "atomic": fused; each consumer adds its `[BLOCK_M, D]` dQ piece to an fp32 accumulator with
   fp32 atomics, then one cast kernel;
 - "tma_reduce": fused; the piece is staged in shared memory and added by one TMA reduce-add
@@ -158,6 +160,16 @@ def launch_num_stages(head_dim: int, dq_mode: str) -> int:
     """The dK/dV kernel's num_stages for one configuration (NUM_STAGES, FUSED_DQ_NUM_STAGES)."""
     return NUM_STAGES if dq_mode == "separate" else FUSED_DQ_NUM_STAGES.get(head_dim, NUM_STAGES)
 
+# The separate mode's dQ comes from the forward kernel's dQ fork (`jagged_fwd.jagged_attention_dq`:
+# warp-specialized, TMA, the forward's schedule and K/V ring) rather than the plain Triton `_dq_kernel`
+# below. Measured on the H200, whole backward, same process, 3 alternating rounds
+# (results/ab-dq-fork-*): GEM L=256 1.11x (s=0.5) and 1.13x (s=1), L=512 s=0.5 1.07x, PMA q=64 1.02x,
+# but PMA q=256 0.96x: with broadcast-Q the fork stores fp32 partials, whose layout conversion leaves
+# room at D=128 for one Q/dO buffer only (`jagged_fwd.DQ_PARTIALS_TUNING`), and a 128-row tile there
+# waits for its Q and dO. So the Triton kernel keeps broadcast-Q queries of more than
+# DQ_FORK_MAX_BROADCAST_ROWS rows at D=128, and the block-sparse fork (its key tiles are the
+# selection's blocks, the fork's at D=128 are half as long).
+DQ_FORK_MAX_BROADCAST_ROWS = {128: jagged_fwd.ROWS_PER_CONSUMER.value}  # no limit at a head dim not listed
 # The deterministic dQ kernel is plain Triton (no warp specialization), in one of two shapes: query
 # rows per program, keys per step, warps and software-pipeline stages. Measured on the H200
 # (results/dq-configs-20261129T1350Z.json, same-process A/B in results/dq-shape-ab-20261129T1400Z.json):
@@ -824,6 +836,12 @@ def batch_dq_mode(head_dim: int, q_rows: int, kv_rows: int, num_seqs: int, num_s
                            mean_queries=q_rows if broadcast_q else q_rows / per_seq)
 
 
+def separate_dq_by_fork(head_dim: int, broadcast_q: bool, q_rows: int, block_sparse: bool) -> bool:
+    """True when the separate mode's dQ comes from the forward kernel's dQ fork, False for `_dq_kernel`
+    (block-sparse, or broadcast-Q with more than DQ_FORK_MAX_BROADCAST_ROWS query rows)."""
+    return not block_sparse and not (broadcast_q and q_rows > DQ_FORK_MAX_BROADCAST_ROWS.get(head_dim, math.inf))
+
+
 def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEFAULT_DQ_MODE) -> str:
     """The dQ strategy to run: `dq_mode` if given, else `default` (`default_dq_mode`); deterministic
     needs "separate"."""
@@ -1065,7 +1083,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     # Separate (deterministic) dQ: broadcast-Q writes one fp32 partial per sequence, summed in a fixed order.
     dq_target = (torch.empty((num_seqs, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
                  if broadcast_q else dq)
-    if selection is None:
+    if separate_dq_by_fork(head_dim, broadcast_q, q.shape[0], selection is not None):
         jagged_fwd.jagged_attention_dq(dout, q, k, v, lse, delta, dq_target.flatten(0, 1) if broadcast_q else dq,
                                        q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal, window,
                                        broadcast_q)

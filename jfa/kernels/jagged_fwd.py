@@ -53,6 +53,13 @@ Entry-major (q_len fits one tile), consecutive tiles of a program are an odd dis
 the zigzag deal, so with several head groups the head changes and Q is loaded again: tens of KB per
 tile against the ~1 MB of K/V it streams, and from L2, where the one shared Q stays. Output rows of
 sequence b start at `b*q_len`. Q is never copied per sequence.
+
+dQ fork (DQ, `jagged_attention_dq`). The backward's query-stationary dQ is this kernel with another
+step: the producer loads dO beside Q, and a KV step (`_consumer_dq_step`) issues S = Q K^T,
+dP = dO V^T and the previous tile's dQ += dS K in one ping-pong turn, then forms dS = P (dP - Delta)
+from the forward's LSE while that dQ runs. dS takes P's part and K takes V's, so K stays in the ring
+a step longer. Tiles, schedule, masks, peeling and half last tiles are the forward's; broadcast-Q
+writes one fp32 partial per sequence (no Q reuse: dO differs per sequence).
 """
 from __future__ import annotations
 
