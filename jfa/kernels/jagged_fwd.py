@@ -561,7 +561,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                     q_tile = q_tiles[((q_loads - 1) % Q_BUFFERS) * CONSUMERS + cid]
                     do_tile = do_tiles[((q_loads - 1) % Q_BUFFERS) * CONSUMERS + cid]
 
-                    # Peeled first KV tile: QK^T only (there is no previous P·V to overlap).
+                    # Peeled first KV tile: QK^T (dQ fork: S and dP) only, with no P·V (dS K) before it.
                     first_key = _key_tile_col(0, first_col, selected, BLOCK_N, BLOCK_SPARSE)
                     if DQ:
                         p, acc, kv_count = _consumer_dq_step(
