@@ -164,11 +164,11 @@ def launch_num_stages(head_dim: int, dq_mode: str) -> int:
 # warp-specialized, TMA, the forward's schedule and K/V ring) rather than the plain Triton `_dq_kernel`
 # below. Measured on the H200, whole backward, same process, 3 alternating rounds
 # (results/ab-dq-fork-*): GEM L=256 1.11x (s=0.5) and 1.13x (s=1), L=512 s=0.5 1.07x, PMA q=64 1.02x,
-# but PMA q=256 0.96x: with broadcast-Q the fork stores fp32 partials, whose layout conversion leaves
-# room at D=128 for one Q/dO buffer only (`jagged_fwd.DQ_PARTIALS_TUNING`), and a 128-row tile there
-# waits for its Q and dO. So the Triton kernel keeps broadcast-Q queries of more than
-# DQ_FORK_MAX_BROADCAST_ROWS rows at D=128, and the block-sparse fork (its key tiles are the
-# selection's blocks, the fork's at D=128 are half as long).
+# but PMA q=256 0.96x. There the fork's fp32 partials leave room for one Q/dO buffer only
+# (`jagged_fwd.DQ_PARTIALS_TUNING`), yet with two (partials as bf16 pairs, branch
+# `dq-fork-pair-partials`) it still ran 0.97x (results/ab-dq-fork-pairs-*): not the cause. So the
+# Triton kernel keeps broadcast-Q queries of more than DQ_FORK_MAX_BROADCAST_ROWS rows at D=128, and
+# the block-sparse fork (its key tiles are the selection's blocks, the fork's at D=128 are half as long).
 DQ_FORK_MAX_BROADCAST_ROWS = {128: jagged_fwd.ROWS_PER_CONSUMER.value}  # no limit at a head dim not listed
 # The deterministic dQ kernel is plain Triton (no warp specialization), in one of two shapes: query
 # rows per program, keys per step, warps and software-pipeline stages. Measured on the H200
@@ -433,7 +433,7 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     head = per_step(head)
     kv_cols = per_step(tl.min(kv_cols, 0)) + tl.arange(0, KEYS)
     next_lse_log2, next_delta = lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, next_q_row0, q_len,
-                                                stride_lse_head, stride_delta_head, BLOCK_M)
+                                               stride_lse_head, stride_delta_head, BLOCK_M)
     q_rows = q_row0 + tl.arange(0, BLOCK_M)
     row_ok = q_rows < q_len
     s = tlx.async_dot_wait(1, s)
