@@ -851,10 +851,6 @@ def jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_
     q_heads, head_dim = q.shape[1], q.shape[2]
     q_len = q.shape[0] if broadcast_q else 0
     out_rows = num_seqs * q_len if broadcast_q else q.shape[0]
-    if max_seq_len_q is None:  # costs a device sync; callers on the hot path pass it
-        max_seq_len_q = q_len if broadcast_q else int((q_offsets[1:] - q_offsets[:-1]).max())
-    if max_seq_len_kv is None:  # every sequence fits in all keys: a loose bound, but no sync
-        max_seq_len_kv = k.shape[0]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     fp8 = q.dtype == FP8_DTYPE
@@ -893,7 +889,12 @@ def jagged_attention_dq(dout, q, k, v, lse, delta, dq, q_offsets, kv_offsets, ma
 def _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, causal, window, broadcast_q,
             qk_scale_log2, acc_scale, *, schedule=None, selection=None, dout=None, delta=None):
     """Configure, schedule and launch the kernel into `out`: the forward (writing `lse`), or with
-    `dout` and `delta` its dQ fork (reading `lse`). `acc_scale` multiplies the accumulator once."""
+    `dout` and `delta` its dQ fork (reading `lse`). `acc_scale` multiplies the accumulator once.
+    A missing `max_seq_len_q` costs a device sync; a missing `max_seq_len_kv` becomes all the keys."""
+    if max_seq_len_q is None:  # callers on the hot path pass it
+        max_seq_len_q = q.shape[0] if broadcast_q else int((q_offsets[1:] - q_offsets[:-1]).max())
+    if max_seq_len_kv is None:  # every sequence fits in all keys: a loose bound, but no sync
+        max_seq_len_kv = k.shape[0]
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
