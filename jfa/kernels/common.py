@@ -219,7 +219,7 @@ def finalize_rows(acc, m_i, l_i, out_dtype: tl.constexpr):
 
 @triton.jit
 def lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, q_row0, q_len, stride_lse_head, stride_delta_head,
-                    BLOCK_M: tl.constexpr):
+                   BLOCK_M: tl.constexpr):
     """LSE (in log2 units) and Delta of the query block at sequence-local row `q_row0`; 0 past `q_len`.
 
     Both are `[heads, rows]` with the row index `out_row0 + row` (the backward's per-row terms)."""

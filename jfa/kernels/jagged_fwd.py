@@ -173,7 +173,7 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
                    BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr, ENTRY_MAJOR: tl.constexpr,
                    HALF_TAIL: tl.constexpr, BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr,
-                   FP8: tl.constexpr = False):
+                   FP8: tl.constexpr = False, DQ: tl.constexpr = False):
     """Decode tile id -> where its rows are and which key tiles it visits.
 
     Returns (head, q_key, q_row0, out_row0, row_lo, q_len, kv_start, v_start, kv_len, first_col,
@@ -186,7 +186,7 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     most BLOCK_N/2 visible keys: it is then loaded and multiplied as a half tile (with HALF_TAIL
     only; bulk_lo, bulk_hi <= num_kv_tiles - half_tail). `head` is the tile's first query head
     (HEADS_PER_TILE of them). `q_key` identifies the Q block: equal keys on consecutive tiles let
-    the Q tile be reused (broadcast-Q only).
+    the Q tile be reused (broadcast-Q only, and not in the dQ fork, DQ, whose dO differs per sequence).
 
     Block-sparse (`jfa.sparse`): the selection holds, per (sequence, query head, query block), the
     distinct selected key blocks in ascending order, padded to SEL_WIDTH entries, and their count.
@@ -205,7 +205,7 @@ def _tile_geometry(tile, tile_entries_ptr, num_entries, q_offsets_ptr, kv_offset
     q_block = entry % q_blocks_per_seq
     q_start, q_len, out_row0, kv_start, kv_len = sequence_rows(seq, q_offsets_ptr, kv_offsets_ptr,
                                                                broadcast_q_len, BROADCAST_Q)
-    if BROADCAST_Q:
+    if BROADCAST_Q and not DQ:
         q_key = q_block * num_q_heads + head
     else:
         q_key = tile
@@ -481,9 +481,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                      kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
-                     SEL_WIDTH, FP8)
-                if DQ:  # dO differs per sequence: no Q block is reused
-                    q_key = tile
+                     SEL_WIDTH, FP8, DQ)
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
                         q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
@@ -535,9 +533,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                      kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, num_q_heads,
                      q_blocks_per_seq, broadcast_q_len, window, BLOCK_M, BLOCK_N, HEADS_PER_TILE,
                      CAUSAL, HAS_WINDOW, BROADCAST_Q, ENTRY_MAJOR, HALF_TAIL, BLOCK_SPARSE,
-                     SEL_WIDTH, FP8)
-                if DQ:
-                    q_key = tile
+                     SEL_WIDTH, FP8, DQ)
                 first_row = row_lo + cid * ROW_STEP
                 rows = first_row + tl.arange(0, ROWS)
                 my_head = head + cid * HEAD_STEP
