@@ -125,18 +125,22 @@ SHORT_KV_MEAN_LEN = 384
 HALF_TAIL_MAX_KV_LEN = 256
 # The dQ fork (DQ) holds, per consumer, the dQ accumulator, S, dP and dS, and its Q ring carries dO
 # too. At D=128 128-key tiles put S, dP and dS (64 + 64 + 32 registers) beside the 64 of dQ, so it
-# takes 64-key tiles; two heads per tile then have room for Q and dO single-buffered only.
+# takes 64-key tiles. A K slot is released a step later than in the forward (dQ += dS K reads it
+# during the next step), so with two slots the producer could load the next K only when a step
+# ended: D=128 keeps four slots and single-buffers Q and dO instead (two heads per tile: 32-key
+# slots). Measured on the H200 against two slots with Q and dO double-buffered, whole backward in
+# the separate mode, same process, 3 alternating rounds (results/ab-dq-fork-deep-ring-*): GEM L=256
+# s=0.5 0.995x, s=1 1.03x, L=512 s=0.5 1.06x, L=1024 s=1 1.14x, dense 1.11x, PMA q=64 1.02x.
 DQ_TUNING = {
     (64, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
-    (128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=2),
+    (128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=4, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
     (64, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=232, NUM_CONSUMERS=2, Q_BUFFERS=2),
-    (128, 2): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
+    (128, 2): dict(BLOCK_N=32, NUM_KV_BUFFERS=4, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
 }
 # With broadcast-Q the fork stores fp32 per-sequence partials, and at D=128 their masked store takes
-# 64 KB of layout-conversion scratch: Q and dO single-buffered, and with two heads per tile 32-key
-# K/V tiles (96 KB of ring) fit the 227 KB.
+# 64 KB of layout-conversion scratch: three K/V slots, and with two heads per tile 32-key K/V tiles.
 DQ_PARTIALS_TUNING = {
-    (128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
+    (128, 1): dict(BLOCK_N=64, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
     (128, 2): dict(BLOCK_N=32, NUM_KV_BUFFERS=3, CONSUMER_REGISTERS=240, NUM_CONSUMERS=2, Q_BUFFERS=1),
 }
 MIN_HALF_TILE_KEYS = 32  # a half last tile is a wgmma's N, which TLX takes from 32 up
