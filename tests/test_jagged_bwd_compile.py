@@ -7,6 +7,7 @@ setmaxnreg, TMA loads, fp32 atomics only where dQ is not deterministic) and the 
 against a brute-force visibility mask.
 """
 import concurrent.futures
+import math
 import multiprocessing
 import os
 import re
@@ -215,9 +216,10 @@ def test_default_dq_mode_fuses_only_where_measured_faster():
         assert jagged_bwd.default_dq_mode(128, causal, 100 * least, False) == "tma_reduce"
         assert jagged_bwd.default_dq_mode(128, causal, least, False) == "tma_reduce"
         assert jagged_bwd.default_dq_mode(128, causal, least - 1, False) == "separate"
-    # broadcast-Q: its query rows, not the keys, decide (a 256-row query over keys averaging 1032: 0.99x)
+    # the query rows decide, not the keys; broadcast-Q passes no query bound (inf)
     assert jagged_bwd.default_dq_mode(128, False, 1032, False, mean_queries=256) == "separate"
     assert jagged_bwd.default_dq_mode(128, False, 100, False, mean_queries=least) == "tma_reduce"
+    assert jagged_bwd.default_dq_mode(128, False, 100, False, mean_queries=math.inf) == "tma_reduce"
     for head_dim, causal, mean_keys, block_sparse in [(64, True, causal_bound + 1, False),
                                                       (64, False, bound + 1, False), (64, False, 100, True),
                                                       (128, False, 4096, True), (96, False, 1024, False)]:
@@ -230,8 +232,8 @@ def test_default_dq_mode_fuses_only_where_measured_faster():
 
 def test_batch_dq_mode_on_the_benchmark_batches():
     """The mode the backward picks by itself for each benchmark batch, from the packed sizes alone: at
-    D=128 the fused mode from a mean of FUSED_DQ_MIN_MEAN_QUERIES query rows per sequence (broadcast-Q:
-    the shared query's rows, so PMA keeps the separate mode), at D=64 up to FUSED_DQ_MAX_MEAN_KEYS keys."""
+    D=128 the fused mode from a mean of FUSED_DQ_MIN_MEAN_QUERIES query rows per sequence (broadcast-Q,
+    over more sequences than SMs, whatever its rows), at D=64 up to FUSED_DQ_MAX_MEAN_KEYS keys."""
     num_sms = specs.H200_SM_COUNT
     least = jagged_bwd.FUSED_DQ_MIN_MEAN_QUERIES[128]
     for suite in ("gem", "pma", "dense"):
@@ -239,7 +241,7 @@ def test_batch_dq_mode_on_the_benchmark_batches():
             q_lens, kv_lens = case_lengths(case)
             broadcast_q = suite == "pma"
             q_rows = q_lens[0] if broadcast_q else sum(q_lens)
-            mean_queries = q_lens[0] if broadcast_q else sum(q_lens) / len(q_lens)
+            mean_queries = math.inf if broadcast_q else sum(q_lens) / len(q_lens)
             for head_dim in specs.SUPPORTED_HEAD_DIMS:
                 mode = jagged_bwd.batch_dq_mode(head_dim, q_rows, sum(kv_lens), len(kv_lens), num_sms, False,
                                                 broadcast_q, False)
@@ -384,14 +386,6 @@ def test_deterministic_dq_kernel_interpreted_matches_reference():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "interpreted dQ kernel ok" in result.stdout
-
-
-def test_separate_dq_comes_from_the_forward_fork_where_it_pays():
-    assert jagged_bwd.separate_dq_by_fork(128, broadcast_q=False, q_rows=10**6, block_sparse=False)
-    assert jagged_bwd.separate_dq_by_fork(128, broadcast_q=True, q_rows=64, block_sparse=False)  # PMA q=64
-    assert not jagged_bwd.separate_dq_by_fork(128, broadcast_q=True, q_rows=65, block_sparse=False)
-    assert jagged_bwd.separate_dq_by_fork(64, broadcast_q=True, q_rows=256, block_sparse=False)
-    assert not jagged_bwd.separate_dq_by_fork(128, broadcast_q=False, q_rows=128, block_sparse=True)
 
 
 def test_dq_kernel_shape_follows_mean_sequence_lengths():

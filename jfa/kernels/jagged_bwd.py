@@ -14,9 +14,8 @@ every query row that sees it). Three ways to form it (`dq_mode`):
 - "separate" (the default for short batches, and what `deterministic=True` runs): the TLX kernel computes dK and dV
   only, and dQ comes from a query-stationary kernel in which each program owns its rows and walks
   the keys in a fixed order: no float atomics, bitwise reproducible. That is the forward kernel's dQ
-  fork (`jagged_fwd.jagged_attention_dq`), or the plain Triton `_dq_kernel` where the fork does not
-  pay or apply (`separate_dq_by_fork`). It recomputes S and dP, yet measured 3-4x faster on the
-  H200 than the fused atomic mode below;
+  fork (`jagged_fwd.jagged_attention_dq`), or in the block-sparse fork the plain Triton `_dq_kernel`.
+  It recomputes S and dP, yet measured 3-4x faster on the H200 than the fused atomic mode below;
 - "atomic": fused; each consumer adds its `[BLOCK_M, D]` dQ piece to an fp32 accumulator with
   fp32 atomics, then one cast kernel;
 - "tma_reduce": fused; the piece is staged in shared memory and added by one TMA reduce-add
@@ -90,8 +89,13 @@ DEFAULT_DQ_MODE = "separate"
 # 1.14-1.31x, window 128 1.22x, GQA 4 1.13-1.15x; but 0.89x and 0.94x at means of 126 and 256
 # queries, level at 253, and with broadcast-Q 0.90x (q=64) and 0.99x (q=256): a short query stream
 # gives each K/V tile few steps, and the fused mode has room for one K/V slot only. So D=128 fuses
-# from a mean of FUSED_DQ_MIN_MEAN_QUERIES query rows per sequence up (the shared query's rows with
-# broadcast-Q).
+# from a mean of FUSED_DQ_MIN_MEAN_QUERIES query rows per sequence up. Measured again once the
+# separate mode's dQ came from the forward's fork with a deeper K/V ring (results/dq-modes-deep-ring-*,
+# separate against fused): GEM means of 126, 256 and 253 queries 1.15x, 1.13x and 1.02x, 512 level
+# (1.006x), 1024 and up 0.92-0.95x, dense 0.90x: the bound holds. But with broadcast-Q the fused mode
+# now won at q=64 (separate 0.97x) and q=256 (0.96x): there the separate mode writes, then sums, one
+# fp32 dQ partial per sequence (0.6 GB at q=256 over 1152 sequences, about 0.25 ms of its 5.0 ms at
+# the H200's bandwidth). So broadcast-Q is not bounded by its query rows, only by the copies of dQ.
 FUSED_DQ_DEFAULT_HEAD_DIMS = (64, 128)
 FUSED_DQ_DEFAULT_MODE = "tma_reduce"
 FUSED_DQ_MAX_MEAN_KEYS = {64: 4096}  # no upper limit at a head dim not listed
@@ -162,14 +166,11 @@ def launch_num_stages(head_dim: int, dq_mode: str) -> int:
 
 # The separate mode's dQ comes from the forward kernel's dQ fork (`jagged_fwd.jagged_attention_dq`:
 # warp-specialized, TMA, the forward's schedule and K/V ring) rather than the plain Triton `_dq_kernel`
-# below. Measured on the H200, whole backward, same process, 3 alternating rounds
+# below, except in the block-sparse fork (its key tiles are the selection's blocks, the dQ fork's at
+# D=128 are half as long). Measured on the H200, whole backward, same process, 3 alternating rounds
 # (results/ab-dq-fork-*): GEM L=256 1.11x (s=0.5) and 1.13x (s=1), L=512 s=0.5 1.07x, PMA q=64 1.02x,
-# but PMA q=256 0.96x. There the fork's fp32 partials leave room for one Q/dO buffer only
-# (`jagged_fwd.DQ_PARTIALS_TUNING`), yet with two (partials as bf16 pairs, branch
-# `dq-fork-pair-partials`) it still ran 0.97x (results/ab-dq-fork-pairs-*): not the cause. So the
-# Triton kernel keeps broadcast-Q queries of more than DQ_FORK_MAX_BROADCAST_ROWS rows at D=128, and
-# the block-sparse fork (its key tiles are the selection's blocks, the fork's at D=128 are half as long).
-DQ_FORK_MAX_BROADCAST_ROWS = {128: jagged_fwd.ROWS_PER_CONSUMER.value}  # no limit at a head dim not listed
+# and PMA q=256 0.96x until the fork's K/V ring was deepened (`jagged_fwd.DQ_TUNING`), then 1.11x
+# (results/ab-dq-fork-deep-ring-*).
 # The deterministic dQ kernel is plain Triton (no warp specialization), in one of two shapes: query
 # rows per program, keys per step, warps and software-pipeline stages. Measured on the H200
 # (results/dq-configs-20261129T1350Z.json, same-process A/B in results/dq-shape-ab-20261129T1400Z.json):
@@ -814,7 +815,7 @@ def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse:
     """The dQ strategy when none is asked for and determinism is not: fused at FUSED_DQ_DEFAULT_HEAD_DIMS
     for dense-selection batches of at most FUSED_DQ_MAX_MEAN_KEYS keys per sequence on average
     (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when causal) and at least FUSED_DQ_MIN_MEAN_QUERIES query rows per
-    sequence (`mean_queries`, default `mean_keys`), else DEFAULT_DQ_MODE (the block-sparse fork has
+    sequence (`mean_queries`, default `mean_keys`; inf: no bound), else DEFAULT_DQ_MODE (the block-sparse fork has
     only the separate mode). `more_dq_copies`: with broadcast-Q the fused mode would keep more fp32
     copies of dQ than the separate mode (more programs than sequences), so it is not chosen."""
     mean_queries = mean_keys if mean_queries is None else mean_queries
@@ -827,19 +828,13 @@ def default_dq_mode(head_dim: int, causal: bool, mean_keys: float, block_sparse:
 def batch_dq_mode(head_dim: int, q_rows: int, kv_rows: int, num_seqs: int, num_sms: int, causal: bool,
                   broadcast_q: bool, block_sparse: bool) -> str:
     """`default_dq_mode` for a packed batch of `num_seqs` sequences, its means from the packed sizes
-    (no GPU->host sync): with broadcast-Q every sequence sees all `q_rows` rows of the shared query,
-    and the fused mode's dQ copies (one per program, at most `num_sms`) outnumber the separate mode's
-    (one per sequence) when there are fewer sequences than SMs."""
+    (no GPU->host sync). With broadcast-Q the shared query's rows set no bound (see
+    FUSED_DQ_MIN_MEAN_QUERIES); the fused mode's dQ copies (one per program, at most `num_sms`)
+    outnumber the separate mode's (one per sequence) when there are fewer sequences than SMs."""
     per_seq = max(num_seqs, 1)
     return default_dq_mode(head_dim, causal, kv_rows / per_seq, block_sparse,
                            more_dq_copies=broadcast_q and num_sms > num_seqs,
-                           mean_queries=q_rows if broadcast_q else q_rows / per_seq)
-
-
-def separate_dq_by_fork(head_dim: int, broadcast_q: bool, q_rows: int, block_sparse: bool) -> bool:
-    """True when the separate mode's dQ comes from the forward kernel's dQ fork, False for `_dq_kernel`
-    (block-sparse, or broadcast-Q with more than DQ_FORK_MAX_BROADCAST_ROWS query rows)."""
-    return not block_sparse and not (broadcast_q and q_rows > DQ_FORK_MAX_BROADCAST_ROWS.get(head_dim, math.inf))
+                           mean_queries=math.inf if broadcast_q else q_rows / per_seq)
 
 
 def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEFAULT_DQ_MODE) -> str:
@@ -1083,7 +1078,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     # Separate (deterministic) dQ: broadcast-Q writes one fp32 partial per sequence, summed in a fixed order.
     dq_target = (torch.empty((num_seqs, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
                  if broadcast_q else dq)
-    if separate_dq_by_fork(head_dim, broadcast_q, q.shape[0], selection is not None):
+    if selection is None:
         jagged_fwd.jagged_attention_dq(dout, q, k, v, lse, delta, dq_target.flatten(0, 1) if broadcast_q else dq,
                                        q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal, window,
                                        broadcast_q)
