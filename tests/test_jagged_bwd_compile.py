@@ -41,6 +41,7 @@ CONFIGS = [
     (128, BF16, False, None, False, ATOMIC),
     (128, BF16, True, 32, True, ATOMIC),
     (128, BF16, False, None, False, TMA),
+    (128, BF16, False, None, True, TMA),  # PMA's default: V's slot freed early (EARLY_V_RELEASE)
     (64, BF16, False, None, False, TMA),
     (64, BF16, True, None, False, TMA),
     (128, BF16, True, 32, True, TMA),
@@ -195,6 +196,13 @@ def test_bad_config_raises():
         jagged_bwd.kernel_config(128, BF16, dq_mode="atomic", selection_width=8)
     assert jagged_bwd.resolve_dq_mode(None, deterministic=True) == "separate"
     assert jagged_bwd.resolve_dq_mode(None, deterministic=False) == jagged_bwd.DEFAULT_DQ_MODE
+
+
+def test_early_v_release_only_in_the_fused_d128_step_with_broadcast_q():
+    """Measured faster with broadcast-Q only (one or a few steps per tile), so self-attention keeps one barrier."""
+    assert jagged_bwd.kernel_config(128, BF16, broadcast_q=True, dq_mode=TMA)["EARLY_V_RELEASE"]
+    for head_dim, broadcast_q, dq_mode in [(128, False, TMA), (128, True, SEP), (128, True, ATOMIC), (64, True, TMA)]:
+        assert not jagged_bwd.kernel_config(head_dim, BF16, broadcast_q=broadcast_q, dq_mode=dq_mode)["EARLY_V_RELEASE"]
 
 
 def test_default_dq_mode_fuses_only_where_measured_faster():

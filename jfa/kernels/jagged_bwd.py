@@ -143,6 +143,13 @@ TUNING = {
               MASK_FREE_BULK=False, DQ_HANDOFF_BUFFERS=0, DQ_SPLIT=False),
 }
 FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of TUNING in the fused modes
+# EARLY_V_RELEASE (DQ_SPLIT with broadcast-Q): with one K/V slot the next tile's keys cannot land
+# while this tile runs, which costs most where a tile has few query blocks: a broadcast query of 64
+# rows gives each tile one step. V's last read is the last step's dP, K's the last dQ and dK, so V
+# gets its own empty barrier and the producer loads the next tile's V under the rest of that step.
+# Measured on the H200 against main, whole backward, same process, 3 rounds (results/ab-bwd-early-v-*):
+# PMA q=64 1.07x, q=256 1.04x; but dense D=128 0.985x and GEM 0.95-1.01x (L=1024 s=1 0.95x), where a
+# tile runs 8 or more steps, so self-attention keeps one barrier.
 # The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
 # before the next instruction (`jagged_fwd.NUM_STAGES` says how), so each consumer's matrix
 # multiplies overlap only the other consumer's softmax. Measured on the H200 against that: without
@@ -401,9 +408,9 @@ def _consumer_q_step(q_tile, do_tile, k_tile, v_tile, ds_stage, dq_stages, hando
 def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage, ds_stages, ds_slot, dq_stage,
                               desc_dq, dq_row0, dk, dv, lse_log2, delta, lse_ptr, delta_ptr, head, q_start, q_len,
                               out_row0, kv_len, kv_cols, q_row0, next_q_row0, window, stride_lse_head,
-                              stride_delta_head, qk_scale_log2, sm_scale, cid: tl.constexpr,
+                              stride_delta_head, qk_scale_log2, sm_scale, v_empty, last_block, cid: tl.constexpr,
                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                              HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr):
+                              HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr, EARLY_V_RELEASE: tl.constexpr):
     """The fused tma_reduce step in FlashAttention-3's orientation (DQ_SPLIT, D=128).
 
     `_consumer_q_step` computes S^T (keys x queries), so P^T and dS^T feed the dV and dK wgmmas from
@@ -417,6 +424,7 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     `kv_slot` is the per-step index of `common.per_step`: three matrix multiplies read K or V here,
     and descriptors hoisted out of the loop spilled (34-46 reloads per step, and 0.81x the separate
     mode; 7-19 and 1.04-1.31x from a mean of 512 queries this way).
+    With EARLY_V_RELEASE the tile's `last_block` frees V's slot (`v_empty`) once dP is done.
     `lse_log2` and `delta` of this block were loaded a step ahead; the step loads those of the block
     at `next_q_row0` and returns them: loaded in the step that uses them, their global-load latency
     held up the wgmma issue (`results/ncu-bwd-d128-fused-20261130T0420Z.json`; this way dense 1.075x,
@@ -448,6 +456,9 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     tlx.fence_async_shared()
     dv = tlx.async_dot(tlx.local_trans(p_stage), do_tile, dv)
     dp = tlx.async_dot_wait(1, dp)
+    if EARLY_V_RELEASE:
+        if last_block:  # the tile's last read of V: the producer may load the next tile's V
+            tlx.barrier_arrive(v_empty, 1)
     ds = p * (dp - delta[:, None])
     ds_stage = ds_stages[ds_slot * NUM_CONSUMERS + cid]
     tlx.local_store(ds_stage, ds.to(dtype))
@@ -473,16 +484,18 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
 
 
 @triton.jit
-def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot, ds_stages,
-                      p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr,
-                      delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row, selected,
-                      head_blocks, lse_log2, delta, window, stride_lse_head, stride_delta_head, stride_dq_row,
-                      qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr,
-                      cid: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr):
+def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot, v_empty,
+                      last_head, ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0,
+                      dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row,
+                      selected, head_blocks, lse_log2, delta, window, stride_lse_head, stride_delta_head,
+                      stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr,
+                      DQ_SPLIT: tl.constexpr, cid: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr,
+                      EARLY_V_RELEASE: tl.constexpr):
     """The `block`-th streamed query block: wait for its Q/dO slot, run the step, free the slot.
-    With DQ_SPLIT, `lse_log2` and `delta` are this block's, and the next block's are returned."""
+    With DQ_SPLIT, `lse_log2` and `delta` are this block's, and the next block's are returned;
+    `last_head`: the GQA group's last head, whose last block ends the tile's reads of V."""
     slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
     tlx.barrier_wait(q_fulls[slot], phase)
     q_row0 = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE)
@@ -495,7 +508,8 @@ def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_t
             q_tiles[slot], do_tiles[slot], k_tiles, kv_slot, v_tiles[kv_index], p_stages[cid], ds_stages,
             q_loads % DQ_SPLIT_DS_STAGES, dq_stages[cid], desc_dq, dq_row0, dk, dv, lse_log2, delta, lse_ptr,
             delta_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, q_row0, next_q_row0, window, stride_lse_head,
-            stride_delta_head, qk_scale_log2, sm_scale, cid, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, MASKED)
+            stride_delta_head, qk_scale_log2, sm_scale, v_empty, last_head & (block == head_blocks - 1), cid,
+            HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, MASKED, EARLY_V_RELEASE)
     else:
         dk, dv = _consumer_q_step(
             q_tiles[slot], do_tiles[slot], k_tiles[kv_index], v_tiles[kv_index], ds_stages[cid], dq_stages,
@@ -534,7 +548,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                        DQ_MODE: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr,
                        NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr,
                        BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, MASK_FREE_BULK: tl.constexpr,
-                       DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr):
+                       DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr, EARLY_V_RELEASE: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
@@ -571,6 +585,10 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     q_empties = tlx.alloc_barriers(num_barriers=NUM_Q_BUFFERS, arrive_count=CONSUMERS)
     kv_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
     kv_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+    if EARLY_V_RELEASE:  # V's slot is freed after the tile's last dP, K's at the tile's end
+        v_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+    else:  # one barrier frees both
+        v_empties = kv_empties
     if DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:
         # The handoff moves dQ with plain shared stores and loads, so every thread arrives (warp
         # barriers): racecheck orders a thread's accesses by its own arrive, not through the
@@ -593,14 +611,24 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                      HAS_WINDOW, BROADCAST_Q)
                 if num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
-                    tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
-                    tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
+                    if EARLY_V_RELEASE:  # V's load goes first, into a slot freed before K's
+                        tlx.barrier_wait(v_empties[kv_slot], kv_phase ^ 1)
+                        tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
+                        for c in tl.static_range(CONSUMERS):
+                            tlx.async_descriptor_load(desc_v, v_tiles[kv_slot * CONSUMERS + c],
+                                                      [kv_start + col0 + c * KEYS, kv_head * HEAD_DIM],
+                                                      kv_fulls[kv_slot])
+                        tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
+                    else:
+                        tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
+                        tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
                     for c in tl.static_range(CONSUMERS):
                         kv_coord = [kv_start + col0 + c * KEYS, kv_head * HEAD_DIM]
                         tlx.async_descriptor_load(desc_k, k_tiles[kv_slot * CONSUMERS + c],
                                                   kv_coord, kv_fulls[kv_slot])
-                        tlx.async_descriptor_load(desc_v, v_tiles[kv_slot * CONSUMERS + c],
-                                                  kv_coord, kv_fulls[kv_slot])
+                        if not EARLY_V_RELEASE:
+                            tlx.async_descriptor_load(desc_v, v_tiles[kv_slot * CONSUMERS + c],
+                                                      kv_coord, kv_fulls[kv_slot])
                     kv_loads += 1
                     for g in range(gqa_group):
                         head = kv_head * gqa_group + g
@@ -665,12 +693,13 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             for block in range(lo, hi):
                                 dk, dv, q_loads, lse_log2, delta = _consumer_q_block(
                                     block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot,
-                                    ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0,
+                                    v_empties[kv_slot], g == gqa_group - 1, ds_stages, p_stages, dq_stages,
+                                    handoff_fulls, handoff_empties, desc_dq, dq_row0,
                                     dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
                                     kv_cols, first_row, selected, head_blocks, lse_log2, delta, window,
                                     stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
                                     HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
-                                    DQ_HANDOFF_BUFFERS, DQ_SPLIT, cid, BLOCK_SPARSE, segment != 1)
+                                    DQ_HANDOFF_BUFFERS, DQ_SPLIT, cid, BLOCK_SPARSE, segment != 1, EARLY_V_RELEASE)
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
                     # Store inside the branch: joining the wgmma accumulators with a zero tile
@@ -865,6 +894,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
     if dq_mode != "separate":
         tuning.update(FUSED_DQ_TUNING.get(head_dim, {}))
     tuning["DQ_SPLIT"] = tuning["DQ_SPLIT"] and dq_mode == "tma_reduce"  # the split dQ is reduce-added by TMA
+    tuning["EARLY_V_RELEASE"] = tuning["DQ_SPLIT"] and bool(broadcast_q)
     if selection_width and (window is not None or broadcast_q or dq_mode != "separate"
                             or tuning["BLOCK_N"] != specs.BLOCK_SPARSE_BLOCK):
         raise ValueError("the block-sparse backward takes no window or broadcast-Q, the separate dQ kernel, "
