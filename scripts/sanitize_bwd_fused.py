@@ -7,8 +7,9 @@ Lengths 1, 65, 0, 130, 300, 200 (an empty sequence, partial tiles, several query
 tile), GQA 2, bf16. In the default fused mode (dq_mode="tma_reduce") D=128 runs the split step
 (`_consumer_q_step_split_dq`: dS exchanged through shared memory and a named barrier), D=64 the dQ
 handoff ring between the consumers. `--dq-mode separate` runs the dQ fork of the forward kernel
-(`jagged_fwd.jagged_attention_dq`), and adds a broadcast-Q case of 48 query rows: two heads per
-tile, fp32 per-sequence partials.
+(`jagged_fwd.jagged_attention_dq`). Each also runs a broadcast-Q case of 48 query rows: in the fused
+mode a per-program dQ copy and, at D=128, V's slot freed early (`EARLY_V_RELEASE`); in the separate
+mode two heads per tile and fp32 per-sequence partials.
 """
 import argparse
 
@@ -43,10 +44,9 @@ def main():
         for causal, window in ((False, None), (True, 40)):
             run(q, k, v, offsets, offsets, max(LENGTHS), max(LENGTHS), causal, window, False, dq_mode,
                 f"D={head_dim}")
-            if dq_mode == "separate":
-                shared_query = torch.tensor([0, BROADCAST_Q_LEN], dtype=torch.int32, device="cuda")
-                run(q[:BROADCAST_Q_LEN], k, v, shared_query, offsets, BROADCAST_Q_LEN, max(LENGTHS), causal, window,
-                    True, dq_mode, f"D={head_dim} broadcast-Q q={BROADCAST_Q_LEN}")
+            shared_query = torch.tensor([0, BROADCAST_Q_LEN], dtype=torch.int32, device="cuda")
+            run(q[:BROADCAST_Q_LEN], k, v, shared_query, offsets, BROADCAST_Q_LEN, max(LENGTHS), causal, window,
+                True, dq_mode, f"D={head_dim} broadcast-Q q={BROADCAST_Q_LEN}")
 
 
 if __name__ == "__main__":
