@@ -522,6 +522,14 @@ def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_t
 
 
 @triton.jit
+def _load_kv_halves(desc, tiles, slot, row0, kv_head, full, KEYS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    CONSUMERS: tl.constexpr):
+    """TMA-load a tile's K (or V) into ring slot `slot`, one [KEYS, HEAD_DIM] half per consumer."""
+    for c in tl.static_range(CONSUMERS):
+        tlx.async_descriptor_load(desc, tiles[slot * CONSUMERS + c], [row0 + c * KEYS, kv_head * HEAD_DIM], full)
+
+
+@triton.jit
 def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv_row,
                     HEAD_DIM: tl.constexpr):
     """Masked store of a consumer's dK, dV rows (keys past the sequence end are another's)."""
@@ -614,19 +622,18 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                     if EARLY_V_RELEASE:  # V's load goes first, into a slot freed before K's
                         tlx.barrier_wait(v_empties[kv_slot], kv_phase ^ 1)
                         tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
-                        for c in tl.static_range(CONSUMERS):
-                            tlx.async_descriptor_load(desc_v, v_tiles[kv_slot * CONSUMERS + c],
-                                                      [kv_start + col0 + c * KEYS, kv_head * HEAD_DIM],
-                                                      kv_fulls[kv_slot])
+                        _load_kv_halves(desc_v, v_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
+                                        KEYS, HEAD_DIM, CONSUMERS)
                         tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
+                        _load_kv_halves(desc_k, k_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
+                                        KEYS, HEAD_DIM, CONSUMERS)
                     else:
                         tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
                         tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
-                    for c in tl.static_range(CONSUMERS):
-                        kv_coord = [kv_start + col0 + c * KEYS, kv_head * HEAD_DIM]
-                        tlx.async_descriptor_load(desc_k, k_tiles[kv_slot * CONSUMERS + c],
-                                                  kv_coord, kv_fulls[kv_slot])
-                        if not EARLY_V_RELEASE:
+                        for c in tl.static_range(CONSUMERS):
+                            kv_coord = [kv_start + col0 + c * KEYS, kv_head * HEAD_DIM]
+                            tlx.async_descriptor_load(desc_k, k_tiles[kv_slot * CONSUMERS + c],
+                                                      kv_coord, kv_fulls[kv_slot])
                             tlx.async_descriptor_load(desc_v, v_tiles[kv_slot * CONSUMERS + c],
                                                       kv_coord, kv_fulls[kv_slot])
                     kv_loads += 1
