@@ -785,10 +785,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offset
         o_offs = (out_row0 + rows).to(tl.int64)[:, None] * stride_q_row + head * HEAD_DIM + dims[None, :]
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
         do = tl.load(do_ptr + o_offs, mask=row_ok[:, None], other=0.0)
-        lse_log2 = tl.load(lse_ptr + head.to(tl.int64) * stride_lse_head + out_row0 + rows, mask=row_ok,
-                           other=0.0) * LOG2E
-        delta = tl.load(delta_ptr + head.to(tl.int64) * stride_delta_head + out_row0 + rows,
-                        mask=row_ok, other=0.0)
+        lse_log2, delta = lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, row_lo, q_len, stride_lse_head,
+                                         stride_delta_head, BLOCK_M)
         row_hi = tl.minimum(row_lo + BLOCK_M, q_len) - 1
         kv_lo, kv_hi, full_lo, full_hi = visible_key_range(row_lo, row_hi, q_len, kv_len, window, CAUSAL,
                                                            HAS_WINDOW)
