@@ -9,7 +9,8 @@ tile), GQA 2, bf16. In the default fused mode (dq_mode="tma_reduce") D=128 runs 
 handoff ring between the consumers. `--dq-mode separate` runs the dQ fork of the forward kernel
 (`jagged_fwd.jagged_attention_dq`). Each also runs a broadcast-Q case of 48 query rows: in the fused
 mode a per-program dQ copy and, at D=128, V's slot freed early (`EARLY_V_RELEASE`); in the separate
-mode two heads per tile and fp32 per-sequence partials.
+mode two heads per tile and fp32 per-sequence partials. The broadcast-Q case runs twice: with GQA 2 (two
+steps per key tile) and with one query head per key head (one step: `jagged_bwd.ONE_STEP_TUNING`).
 """
 import argparse
 
@@ -45,8 +46,11 @@ def main():
             run(q, k, v, offsets, offsets, max(LENGTHS), max(LENGTHS), causal, window, False, dq_mode,
                 f"D={head_dim}")
             shared_query = torch.tensor([0, BROADCAST_Q_LEN], dtype=torch.int32, device="cuda")
-            run(q[:BROADCAST_Q_LEN], k, v, shared_query, offsets, BROADCAST_Q_LEN, max(LENGTHS), causal, window,
-                True, dq_mode, f"D={head_dim} broadcast-Q q={BROADCAST_Q_LEN}")
+            group = Q_HEADS // KV_HEADS
+            for keys, values in ((k, v), (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))):
+                run(q[:BROADCAST_Q_LEN], keys, values, shared_query, offsets, BROADCAST_Q_LEN, max(LENGTHS),
+                    causal, window, True, dq_mode,
+                    f"D={head_dim} broadcast-Q q={BROADCAST_Q_LEN} GQA {Q_HEADS // keys.shape[1]}")
 
 
 if __name__ == "__main__":

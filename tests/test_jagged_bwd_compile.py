@@ -26,8 +26,8 @@ from jfa.reference import visible_mask
 
 BF16, FP16 = torch.bfloat16, torch.float16
 SEP, ATOMIC, TMA = "separate", "atomic", "tma_reduce"
-# (head_dim, dtype, causal, window, broadcast_q, dq_mode): every feature, and each head_dim and
-# dtype on the plain kernel, without the full product (each compile takes ~10 s of one core).
+# (head_dim, dtype, causal, window, broadcast_q, dq_mode[, max_queries]): every feature, and each head_dim
+# and dtype on the plain kernel, without the full product (each compile takes ~10 s of one core).
 CONFIGS = [
     (128, BF16, False, None, False, SEP),
     (64, BF16, False, None, False, SEP),
@@ -42,6 +42,7 @@ CONFIGS = [
     (128, BF16, True, 32, True, ATOMIC),
     (128, BF16, False, None, False, TMA),
     (128, BF16, False, None, True, TMA),  # PMA's default: V's slot freed early (EARLY_V_RELEASE)
+    (128, BF16, False, None, True, TMA, 64),  # PMA of one step per tile: ONE_STEP_TUNING
     (64, BF16, False, None, False, TMA),
     (64, BF16, True, None, False, TMA),
     (128, BF16, True, 32, True, TMA),
@@ -61,7 +62,7 @@ def _config_id(cfg):
     head_dim, dtype, causal, window, broadcast_q, *dq_mode = cfg
     return (f"d{head_dim}-{str(dtype).split('.')[-1]}{'-causal' if causal else ''}"
             f"{'-window' if window is not None else ''}{'-bcastq' if broadcast_q else ''}"
-            f"{'-dq_' + dq_mode[0] if dq_mode else ''}")
+            f"{'-dq_' + dq_mode[0] if dq_mode else ''}{f'-q{dq_mode[1]}' if len(dq_mode) > 1 else ''}")
 
 
 def _compile_spec(spec) -> dict:
@@ -81,9 +82,9 @@ def _compile(job) -> dict:
         spec = jagged_bwd.dq_inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, config=shape,
                                           selection_width=width)
     elif kind == "tlx":
-        head_dim, dtype, causal, window, broadcast_q, dq_mode = cfg
+        head_dim, dtype, causal, window, broadcast_q, dq_mode, *max_queries = cfg  # sum(max_queries): 0 when absent
         spec = jagged_bwd.inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
-                                       broadcast_q=broadcast_q, dq_mode=dq_mode)
+                                       broadcast_q=broadcast_q, dq_mode=dq_mode, max_queries=sum(max_queries))
     else:
         head_dim, dtype, causal, window, broadcast_q, shape = cfg
         spec = jagged_bwd.dq_inspect_spec(head_dim=head_dim, dtype=dtype, causal=causal, window=window,
@@ -109,7 +110,7 @@ def _count(ptx: str, mnemonic: str) -> int:
 def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
     result = compiled[("tlx", cfg)]
     ptx, shared = result["ptx"], result["shared"]
-    dq_mode = cfg[-1]
+    dq_mode = cfg[5]
     # S^T, dP^T, dV, dK (and dQ) all run on wgmma.
     assert _count(ptx, "wgmma.mma_async") > 0
     # Producer gives registers back, consumers take them.
@@ -148,7 +149,7 @@ def test_block_sparse_forks_compile(compiled, job):
 def _runs_by_default(cfg) -> bool:
     """A benchmarked configuration the backward picks by itself: separate dQ, or tma_reduce at a head dim
     where the fused mode is a default."""
-    head_dim, dtype, causal, window, _, dq_mode = cfg
+    head_dim, dtype, causal, window, _, dq_mode = cfg[:6]
     return dtype == BF16 and window is None and (
         (dq_mode == SEP and not causal) or (dq_mode == TMA and head_dim in jagged_bwd.FUSED_DQ_DEFAULT_HEAD_DIMS))
 
@@ -167,7 +168,7 @@ def test_benchmark_configurations_keep_their_loops_reload_budget(compiled, cfg):
     1.00-1.09x on the shapes it is the default for; it took the fused D=128 step from 34-46 reloads
     to 7-19, where it passed the separate mode from a mean of 512 queries (results/bwd-dq-modes-d128-*);
     the head and key columns per step took it to 1, and two dS stages per consumer to 0."""
-    head_dim, *_, dq_mode = cfg
+    head_dim, dq_mode = cfg[0], cfg[5]
     loops = jinspect.mma_loops(compiled[("tlx", cfg)]["cubin"])
     assert loops, "no wgmma loop found in the SASS"
     budget = LOOP_RELOAD_BUDGET[(head_dim, dq_mode)]
@@ -203,6 +204,17 @@ def test_early_v_release_only_in_the_fused_d128_step_with_broadcast_q():
     assert jagged_bwd.kernel_config(128, BF16, broadcast_q=True, dq_mode=TMA)["EARLY_V_RELEASE"]
     for head_dim, broadcast_q, dq_mode in [(128, False, TMA), (128, True, SEP), (128, True, ATOMIC), (64, True, TMA)]:
         assert not jagged_bwd.kernel_config(head_dim, BF16, broadcast_q=broadcast_q, dq_mode=dq_mode)["EARLY_V_RELEASE"]
+
+
+def test_one_step_tuning_only_where_every_broadcast_tile_runs_one_step():
+    """K two slots deep, V and Q/dO one: measured faster with one step per tile (PMA q=16, 64), slower with 2 or 4."""
+    one_step = jagged_bwd.ONE_STEP_TUNING[128]
+    config = jagged_bwd.kernel_config(128, BF16, broadcast_q=True, dq_mode=TMA, max_queries=64)
+    assert all(config[name] == value for name, value in one_step.items())
+    for max_queries, gqa_group, broadcast_q in [(65, 1, True), (16, 2, True), (0, 1, True), (64, 1, False)]:
+        config = jagged_bwd.kernel_config(128, BF16, broadcast_q=broadcast_q, dq_mode=TMA, max_queries=max_queries,
+                                          gqa_group=gqa_group)
+        assert config["NUM_V_BUFFERS"] == config["NUM_KV_BUFFERS"] == jagged_bwd.FUSED_DQ_TUNING[128]["NUM_KV_BUFFERS"]
 
 
 def test_default_dq_mode_fuses_only_where_measured_faster():

@@ -150,6 +150,14 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of T
 # Measured on the H200 against main, whole backward, same process, 3 rounds (results/ab-bwd-early-v-*):
 # PMA q=64 1.07x, q=256 1.04x; but dense D=128 0.985x and GEM 0.95-1.01x (L=1024 s=1 0.95x), where a
 # tile runs 8 or more steps, so self-attention keeps one barrier.
+# ONE_STEP_TUNING (EARLY_V_RELEASE where every key tile runs one step: a broadcast query of at most
+# BLOCK_M rows, one query head per key head): K's ring two deep, V's one and Q/dO's one, in the same
+# 128 KB, so K lands a tile ahead and V after the last dP; the next tile's Q/dO (Q the shared query,
+# from L2; dO the sequence's own, 16 KB against K's 32 KB) only once the step has ended. Measured on
+# the H200 against one K/V slot and two Q/dO slots, whole backward, same process, 3 rounds
+# (results/ab-bwd-pma-k-ring-*): PMA q=16 1.08x, q=64 1.05x; but q=128 0.95x and q=256 0.89x, where
+# a tile runs 2 and 4 steps and each waits for its Q/dO.
+ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=1, NUM_Q_BUFFERS=1)}
 # The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
 # before the next instruction (`jagged_fwd.NUM_STAGES` says how), so each consumer's matrix
 # multiplies overlap only the other consumer's softmax. Measured on the H200 against that: without
@@ -484,12 +492,12 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
 
 
 @triton.jit
-def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot, v_empty,
-                      last_head, ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0,
-                      dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row,
-                      selected, head_blocks, lse_log2, delta, window, stride_lse_head, stride_delta_head,
-                      stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr,
+def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot, v_slot,
+                      v_empty, last_head, ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq,
+                      dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
+                      first_row, selected, head_blocks, lse_log2, delta, window, stride_lse_head,
+                      stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr, CAUSAL: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, DQ_HANDOFF_BUFFERS: tl.constexpr,
                       DQ_SPLIT: tl.constexpr, cid: tl.constexpr, BLOCK_SPARSE: tl.constexpr, MASKED: tl.constexpr,
                       EARLY_V_RELEASE: tl.constexpr):
@@ -499,20 +507,28 @@ def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_t
     slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
     tlx.barrier_wait(q_fulls[slot], phase)
     q_row0 = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE)
+    if NUM_Q_BUFFERS == 1:  # a constant slot: its wgmma descriptors would be hoisted and spilled
+        q_slot = per_step(slot)
+    else:
+        q_slot = slot
     kv_slot = per_step(kv_slot)
     kv_index = kv_slot * NUM_CONSUMERS + cid
+    if EARLY_V_RELEASE:  # V's ring may be shallower than K's
+        v_index = per_step(v_slot) * NUM_CONSUMERS + cid
+    else:
+        v_index = kv_index
     if DQ_SPLIT:
         next_q_row0 = _query_block_row(tl.minimum(block + 1, head_blocks - 1), first_row, selected, BLOCK_M, BLOCK_N,
                                        BLOCK_SPARSE)
         dk, dv, lse_log2, delta = _consumer_q_step_split_dq(
-            q_tiles[slot], do_tiles[slot], k_tiles, kv_slot, v_tiles[kv_index], p_stages[cid], ds_stages,
+            q_tiles[q_slot], do_tiles[q_slot], k_tiles, kv_slot, v_tiles[v_index], p_stages[cid], ds_stages,
             q_loads % DQ_SPLIT_DS_STAGES, dq_stages[cid], desc_dq, dq_row0, dk, dv, lse_log2, delta, lse_ptr,
             delta_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, q_row0, next_q_row0, window, stride_lse_head,
             stride_delta_head, qk_scale_log2, sm_scale, v_empty, last_head & (block == head_blocks - 1), cid,
             HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, MASKED, EARLY_V_RELEASE)
     else:
         dk, dv = _consumer_q_step(
-            q_tiles[slot], do_tiles[slot], k_tiles[kv_index], v_tiles[kv_index], ds_stages[cid], dq_stages,
+            q_tiles[q_slot], do_tiles[q_slot], k_tiles[kv_index], v_tiles[v_index], ds_stages[cid], dq_stages,
             handoff_fulls, handoff_empties, q_loads, desc_dq, dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head,
             q_start, q_len, out_row0, kv_len, kv_cols, q_row0, window, stride_lse_head, stride_delta_head,
             stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M, CAUSAL, HAS_WINDOW, DQ_MODE,
@@ -556,7 +572,8 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                        DQ_MODE: tl.constexpr, NUM_Q_BUFFERS: tl.constexpr,
                        NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr,
                        BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, MASK_FREE_BULK: tl.constexpr,
-                       DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr, EARLY_V_RELEASE: tl.constexpr):
+                       DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr, EARLY_V_RELEASE: tl.constexpr,
+                       NUM_V_BUFFERS: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
@@ -574,7 +591,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     q_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
     do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
     k_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
-    v_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
+    v_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_V_BUFFERS * CONSUMERS)
     if DQ_SPLIT:  # dS and P (queries x keys): DQ_SPLIT_DS_STAGES dS stages and one P stage per consumer
         ds_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, DQ_SPLIT_DS_STAGES * CONSUMERS)
         p_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, CONSUMERS)
@@ -594,7 +611,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     kv_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=1)
     kv_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
     if EARLY_V_RELEASE:  # V's slot is freed after the tile's last dP, K's at the tile's end
-        v_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS, arrive_count=CONSUMERS)
+        v_empties = tlx.alloc_barriers(num_barriers=NUM_V_BUFFERS, arrive_count=CONSUMERS)
     else:  # one barrier frees both
         v_empties = kv_empties
     if DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:
@@ -619,14 +636,26 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                      HAS_WINDOW, BROADCAST_Q)
                 if num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
-                    if EARLY_V_RELEASE:  # V's load goes first, into a slot freed before K's
-                        tlx.barrier_wait(v_empties[kv_slot], kv_phase ^ 1)
-                        tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
-                        _load_kv_halves(desc_v, v_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
-                                        KEYS, HEAD_DIM, CONSUMERS)
-                        tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
-                        _load_kv_halves(desc_k, k_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
-                                        KEYS, HEAD_DIM, CONSUMERS)
+                    if EARLY_V_RELEASE:
+                        # Separate rings: whichever slot frees first is filled first (V's after the
+                        # tile's last dP when the rings are as deep, K's a tile ahead when K's is deeper).
+                        v_slot, v_phase = ring_slot(kv_loads, NUM_V_BUFFERS)
+                        if NUM_KV_BUFFERS > NUM_V_BUFFERS:
+                            tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
+                            tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
+                            _load_kv_halves(desc_k, k_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
+                                            KEYS, HEAD_DIM, CONSUMERS)
+                            tlx.barrier_wait(v_empties[v_slot], v_phase ^ 1)
+                            _load_kv_halves(desc_v, v_tiles, v_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
+                                            KEYS, HEAD_DIM, CONSUMERS)
+                        else:
+                            tlx.barrier_wait(v_empties[v_slot], v_phase ^ 1)
+                            tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
+                            _load_kv_halves(desc_v, v_tiles, v_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
+                                            KEYS, HEAD_DIM, CONSUMERS)
+                            tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
+                            _load_kv_halves(desc_k, k_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
+                                            KEYS, HEAD_DIM, CONSUMERS)
                     else:
                         tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
                         tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
@@ -672,6 +701,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                 kv_ok = kv_cols < kv_len
                 if num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
+                    v_slot, _ = ring_slot(kv_loads, NUM_V_BUFFERS)
                     tlx.barrier_wait(kv_fulls[kv_slot], kv_phase)
                     dk = tl.zeros([KEYS, HEAD_DIM], tl.float32)
                     dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
@@ -700,7 +730,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             for block in range(lo, hi):
                                 dk, dv, q_loads, lse_log2, delta = _consumer_q_block(
                                     block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot,
-                                    v_empties[kv_slot], g == gqa_group - 1, ds_stages, p_stages, dq_stages,
+                                    v_slot, v_empties[v_slot], g == gqa_group - 1, ds_stages, p_stages, dq_stages,
                                     handoff_fulls, handoff_empties, desc_dq, dq_row0,
                                     dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
                                     kv_cols, first_row, selected, head_blocks, lse_log2, delta, window,
@@ -884,10 +914,13 @@ def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEF
 
 
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, window: int | None = None,
-                  broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE, selection_width: int = 0) -> dict:
+                  broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE, selection_width: int = 0,
+                  max_queries: int = 0, gqa_group: int = 1) -> dict:
     """The TLX kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
 
     `selection_width` > 0 compiles the block-sparse fork (the transposed selection's row width).
+    `max_queries` (the longest sequence's queries; 0 when unknown) and `gqa_group` (query heads per key
+    head) say how many steps a key tile runs: one picks ONE_STEP_TUNING with broadcast-Q.
     """
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {sorted(DQ_MODES)}, got {dq_mode!r}")
@@ -900,6 +933,9 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
         tuning.update(FUSED_DQ_TUNING.get(head_dim, {}))
     tuning["DQ_SPLIT"] = tuning["DQ_SPLIT"] and dq_mode == "tma_reduce"  # the split dQ is reduce-added by TMA
     tuning["EARLY_V_RELEASE"] = tuning["DQ_SPLIT"] and bool(broadcast_q)
+    tuning["NUM_V_BUFFERS"] = tuning["NUM_KV_BUFFERS"]
+    if tuning["EARLY_V_RELEASE"] and gqa_group * triton.cdiv(max_queries, tuning["BLOCK_M"]) == 1:
+        tuning.update(ONE_STEP_TUNING.get(head_dim, {}))
     if selection_width and (window is not None or broadcast_q or dq_mode != "separate"
                             or tuning["BLOCK_N"] != specs.BLOCK_SPARSE_BLOCK):
         raise ValueError("the block-sparse backward takes no window or broadcast-Q, the separate dQ kernel, "
@@ -911,12 +947,13 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
 
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  window: int | None = None, broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE,
-                 selection_width: int = 0):
+                 selection_width: int = 0, max_queries: int = 0, gqa_group: int = 1):
     """Compile-only description of one TLX configuration, for `jfa.inspect.inspect` (no GPU needed)."""
     from jfa.inspect import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
-                               dq_mode=dq_mode, selection_width=selection_width)
+                               dq_mode=dq_mode, selection_width=selection_width, max_queries=max_queries,
+                               gqa_group=gqa_group)
     name = _TRITON_DTYPE_NAMES[dtype]
     keys = constexprs["BLOCK_N"] // NUM_CONSUMERS.value
     signature = dict(desc_q=f"tensordesc<{name}[{constexprs['BLOCK_M']}, {head_dim}]>",
@@ -1079,7 +1116,8 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
 
         by_key_block = transposed_selection(selection, triton.cdiv(max_seq_len_kv, specs.BLOCK_SPARSE_BLOCK))
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window, broadcast_q=broadcast_q,
-                           dq_mode=dq_mode, selection_width=0 if by_key_block is None else by_key_block.width)
+                           dq_mode=dq_mode, selection_width=0 if by_key_block is None else by_key_block.width,
+                           max_queries=max_seq_len_q, gqa_group=q_heads // kv_heads)
     fused_dq = dq_mode != "separate"
     schedule = build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=max_seq_len_kv,
                                       broadcast_q_len=broadcast_q_len, block_m=config["BLOCK_M"],
