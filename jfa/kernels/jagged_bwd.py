@@ -538,9 +538,15 @@ def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_t
 
 
 @triton.jit
-def _load_kv_halves(desc, tiles, slot, row0, kv_head, full, KEYS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    CONSUMERS: tl.constexpr):
-    """TMA-load a tile's K (or V) into ring slot `slot`, one [KEYS, HEAD_DIM] half per consumer."""
+def _load_kv_halves_into(desc, tiles, slot, empty, phase, fulls, kv_slot, ARM_BYTES: tl.constexpr, row0, kv_head,
+                         KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, CONSUMERS: tl.constexpr):
+    """Wait for ring slot `slot` to be free (`empty`), then TMA-load a tile's K (or V) into it, one
+    [KEYS, HEAD_DIM] half per consumer, signalling the tile's `fulls[kv_slot]`; ARM_BYTES > 0 first arms
+    it with the bytes of the whole tile (the first of its K and V loads)."""
+    tlx.barrier_wait(empty, phase ^ 1)
+    full = fulls[kv_slot]
+    if ARM_BYTES > 0:
+        tlx.barrier_expect_bytes(full, ARM_BYTES)
     for c in tl.static_range(CONSUMERS):
         tlx.async_descriptor_load(desc, tiles[slot * CONSUMERS + c], [row0 + c * KEYS, kv_head * HEAD_DIM], full)
 
@@ -640,22 +646,21 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                         # Separate rings: whichever slot frees first is filled first (V's after the
                         # tile's last dP when the rings are as deep, K's a tile ahead when K's is deeper).
                         v_slot, v_phase = ring_slot(kv_loads, NUM_V_BUFFERS)
+                        TILE_BYTES: tl.constexpr = 2 * CONSUMERS * KV_HALF_BYTES
                         if NUM_KV_BUFFERS > NUM_V_BUFFERS:
-                            tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
-                            tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
-                            _load_kv_halves(desc_k, k_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
-                                            KEYS, HEAD_DIM, CONSUMERS)
-                            tlx.barrier_wait(v_empties[v_slot], v_phase ^ 1)
-                            _load_kv_halves(desc_v, v_tiles, v_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
-                                            KEYS, HEAD_DIM, CONSUMERS)
+                            _load_kv_halves_into(desc_k, k_tiles, kv_slot, kv_empties[kv_slot], kv_phase,
+                                                 kv_fulls, kv_slot, TILE_BYTES, kv_start + col0, kv_head, KEYS,
+                                                 HEAD_DIM, CONSUMERS)
+                            _load_kv_halves_into(desc_v, v_tiles, v_slot, v_empties[v_slot], v_phase,
+                                                 kv_fulls, kv_slot, 0, kv_start + col0, kv_head, KEYS, HEAD_DIM,
+                                                 CONSUMERS)
                         else:
-                            tlx.barrier_wait(v_empties[v_slot], v_phase ^ 1)
-                            tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
-                            _load_kv_halves(desc_v, v_tiles, v_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
-                                            KEYS, HEAD_DIM, CONSUMERS)
-                            tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
-                            _load_kv_halves(desc_k, k_tiles, kv_slot, kv_start + col0, kv_head, kv_fulls[kv_slot],
-                                            KEYS, HEAD_DIM, CONSUMERS)
+                            _load_kv_halves_into(desc_v, v_tiles, v_slot, v_empties[v_slot], v_phase,
+                                                 kv_fulls, kv_slot, TILE_BYTES, kv_start + col0, kv_head, KEYS,
+                                                 HEAD_DIM, CONSUMERS)
+                            _load_kv_halves_into(desc_k, k_tiles, kv_slot, kv_empties[kv_slot], kv_phase,
+                                                 kv_fulls, kv_slot, 0, kv_start + col0, kv_head, KEYS, HEAD_DIM,
+                                                 CONSUMERS)
                     else:
                         tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
                         tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
