@@ -26,7 +26,10 @@ every query row that sees it). Three ways to form it (`dq_mode`):
   The default at D=64 for batches of moderate length and at D=128 for long ones (`default_dq_mode`).
 With broadcast-Q the fused modes give every program its own fp32 copy of the shared query's dQ
 (B sequences would otherwise all add into the same `q_len` rows), and one reduce sums the copies;
-the separate mode writes one fp32 partial per sequence and sums them in a fixed order.
+the separate mode writes one fp32 partial per sequence and sums them in a fixed order. When the
+shared query is a single block at D=128 and every key head has one query head (`ONE_STEP_TUNING`),
+each program keeps its block resident (RESIDENT_Q): Q loaded once, dQ summed in registers over all
+of the program's key tiles and written once to its own partial, with no adds at all.
 
 Warp roles of the TLX kernel (`tlx.async_tasks`):
 - producer (the default task, one warpgroup, few registers): TMA loads of the tile's K and V (one
@@ -151,13 +154,15 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of T
 # PMA q=64 1.07x, q=256 1.04x; but dense D=128 0.985x and GEM 0.95-1.01x (L=1024 s=1 0.95x), where a
 # tile runs 8 or more steps, so self-attention keeps one barrier.
 # ONE_STEP_TUNING (EARLY_V_RELEASE where every key tile runs one step: a broadcast query of at most
-# BLOCK_M rows, one query head per key head): K's ring two deep, V's one and Q/dO's one, in the same
-# 128 KB, so K lands a tile ahead and V after the last dP; the next tile's Q/dO (Q the shared query,
-# from L2; dO the sequence's own, 16 KB against K's 32 KB) only once the step has ended. Measured on
-# the H200 against one K/V slot and two Q/dO slots, whole backward, same process, 3 rounds
-# (results/ab-bwd-pma-k-ring-*): PMA q=16 1.08x, q=64 1.05x; but q=128 0.95x and q=256 0.89x, where
-# a tile runs 2 and 4 steps and each waits for its Q/dO.
-ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=1, NUM_Q_BUFFERS=1)}
+# BLOCK_M rows, one query head per key head): RESIDENT_Q. A program's tiles all have one key head
+# (the grid is a multiple of the heads), so they all run the same query block: Q is loaded once, and
+# dQ is summed in registers over the program's tiles and stored once, into the program's own partial
+# (`_consumer_resident_q_step`). The per-tile dQ staging and reduce-add, the Q/dO ring and the
+# consumers' dS meeting are gone, and the shared memory they took holds a second V slot and a dO per
+# K/V slot, so a tile's K, V and dO all land a tile ahead. Measured on the H200 against two K slots,
+# one V and one Q/dO (the reduce-add per tile), whole backward, same process, 3 rounds
+# (results/ab-bwd-resident-q-*): PMA q=64 1.40x (190 -> 267 TFLOP/s); PMA q=256 (4 steps) unchanged.
+ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=2, NUM_Q_BUFFERS=1, RESIDENT_Q=True)}
 # The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
 # before the next instruction (`jagged_fwd.NUM_STAGES` says how), so each consumer's matrix
 # multiplies overlap only the other consumer's softmax. Measured on the H200 against that: without
@@ -492,6 +497,52 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
 
 
 @triton.jit
+def _consumer_resident_q_step(q_tile, do_tile, k_tile, v_tile, p_stage, ds_stage, dq_lo, dq_hi, lse_log2, delta,
+                              q_len, kv_len, kv_cols, window, qk_scale_log2, sm_scale, v_empty, dk_ptr, dv_ptr,
+                              kv_start, kv_head, stride_dkv_row, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """A key tile's only step with RESIDENT_Q: the program's one query block against this consumer's keys.
+
+    Every tile of the program has the same query rows of the same head, so dQ stays in registers, in
+    two [BLOCK_M, D/2] halves, summed over all of the program's tiles: no dQ staging or reduce-add per
+    tile, and each consumer forms dQ from its own dS (from registers, as the forward's P V), so the
+    consumers never wait for each other. S, dV and dK are `_consumer_q_step_split_dq`'s; dK, dV are
+    fresh each tile (one step), and V's slot is freed as soon as dP has read it. dV is stored while
+    the dQ wgmmas run, and dK is issued after that store, so at most two [KEYS, D] fp32 accumulators
+    are live beside dQ.
+    """
+    dtype: tl.constexpr = q_tile.dtype
+    KEYS: tl.constexpr = k_tile.shape[0]
+    HALF_D: tl.constexpr = HEAD_DIM // 2
+    s = tlx.async_dot(q_tile, tlx.local_trans(k_tile))
+    dp = tlx.async_dot(do_tile, tlx.local_trans(v_tile))
+    q_rows = tl.arange(0, BLOCK_M)
+    s = tlx.async_dot_wait(1, s)
+    p = tl.math.exp2(s * qk_scale_log2 - lse_log2[:, None])
+    visible = visible_mask(q_rows, kv_cols, q_len, kv_len, window, CAUSAL, HAS_WINDOW) & (q_rows < q_len)[:, None]
+    p = tl.where(visible, p, 0.0)
+    tlx.local_store(p_stage, p.to(dtype))
+    tlx.fence_async_shared()
+    dv = tlx.async_dot(tlx.local_trans(p_stage), do_tile)
+    dp = tlx.async_dot_wait(1, dp)
+    tlx.barrier_arrive(v_empty, 1)
+    ds = (p * (dp - delta[:, None])).to(dtype)
+    tlx.local_store(ds_stage, ds)
+    tlx.fence_async_shared()
+    dq_lo = tlx.async_dot(ds, tlx.local_slice(k_tile, [0, 0], [KEYS, HALF_D]), dq_lo)
+    dq_hi = tlx.async_dot(ds, tlx.local_slice(k_tile, [0, HALF_D], [KEYS, HALF_D]), dq_hi)
+    dv = tlx.async_dot_wait(2, dv)
+    kv_ok = kv_cols < kv_len
+    _store_kv_rows(dv_ptr, dv.to(dtype), kv_start + kv_cols, kv_ok, kv_head, stride_dkv_row, HEAD_DIM)
+    dk = tlx.async_dot(tlx.local_trans(ds_stage), q_tile)
+    dq_lo = tlx.async_dot_wait(0, dq_lo)
+    dq_hi = tlx.async_dot_wait(0, dq_hi)
+    dk = tlx.async_dot_wait(0, dk)
+    _store_kv_rows(dk_ptr, (dk * sm_scale).to(dtype), kv_start + kv_cols, kv_ok, kv_head, stride_dkv_row, HEAD_DIM)
+    return dq_lo, dq_hi
+
+
+@triton.jit
 def _consumer_q_block(block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot, v_slot,
                       v_empty, last_head, ds_stages, p_stages, dq_stages, handoff_fulls, handoff_empties, desc_dq,
                       dq_row0, dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols,
@@ -552,13 +603,19 @@ def _load_kv_halves_into(desc, tiles, slot, empty, phase, fulls, kv_slot, ARM_BY
 
 
 @triton.jit
-def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv_row,
-                    HEAD_DIM: tl.constexpr):
-    """Masked store of a consumer's dK, dV rows (keys past the sequence end are another's)."""
+def _store_kv_rows(ptr, x, kv_rows, row_ok, kv_head, stride_dkv_row, HEAD_DIM: tl.constexpr):
+    """Masked store of a consumer's dK or dV rows (keys past the sequence end are another's)."""
     dims = tl.arange(0, HEAD_DIM)
     offs = kv_rows.to(tl.int64)[:, None] * stride_dkv_row + kv_head * HEAD_DIM + dims[None, :]
-    tl.store(dk_ptr + offs, dk, mask=row_ok[:, None])
-    tl.store(dv_ptr + offs, dv, mask=row_ok[:, None])
+    tl.store(ptr + offs, x, mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_kv_grads(dk_ptr, dv_ptr, dk, dv, kv_rows, row_ok, kv_head, stride_dkv_row,
+                    HEAD_DIM: tl.constexpr):
+    """Masked store of a consumer's dK, dV rows."""
+    _store_kv_rows(dk_ptr, dk, kv_rows, row_ok, kv_head, stride_dkv_row, HEAD_DIM)
+    _store_kv_rows(dv_ptr, dv, kv_rows, row_ok, kv_head, stride_dkv_row, HEAD_DIM)
 
 
 # Integers that change with the problem are not specialized (Triton would otherwise compile a
@@ -579,7 +636,7 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                        NUM_KV_BUFFERS: tl.constexpr, CONSUMER_REGISTERS: tl.constexpr,
                        BLOCK_SPARSE: tl.constexpr, SEL_WIDTH: tl.constexpr, MASK_FREE_BULK: tl.constexpr,
                        DQ_HANDOFF_BUFFERS: tl.constexpr, DQ_SPLIT: tl.constexpr, EARLY_V_RELEASE: tl.constexpr,
-                       NUM_V_BUFFERS: tl.constexpr):
+                       NUM_V_BUFFERS: tl.constexpr, RESIDENT_Q: tl.constexpr):
     CONSUMERS: tl.constexpr = NUM_CONSUMERS
     KEYS: tl.constexpr = BLOCK_N // CONSUMERS  # keys per consumer warpgroup
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
@@ -595,16 +652,26 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
     dq_row0 = first_tile * dq_partial_rows  # the same copy, as a row of the TMA view
 
     q_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
-    do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
+    if RESIDENT_Q:  # one dO per key tile, in the K/V ring's slot
+        do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_KV_BUFFERS)
+    else:
+        do_tiles = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, NUM_Q_BUFFERS)
     k_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_KV_BUFFERS * CONSUMERS)
     v_tiles = tlx.local_alloc((KEYS, HEAD_DIM), dtype, NUM_V_BUFFERS * CONSUMERS)
-    if DQ_SPLIT:  # dS and P (queries x keys): DQ_SPLIT_DS_STAGES dS stages and one P stage per consumer
+    if RESIDENT_Q:  # consumer c's P and dS stages are buffers 2c and 2c+1 (each consumer reads only its own)
+        stages_and_dq = tlx.storage_alias_spec(storage=tlx.storage_kind.smem)
+        ds_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, 2 * CONSUMERS, reuse=stages_and_dq)
+        p_stages = ds_stages
+    elif DQ_SPLIT:  # dS and P (queries x keys): DQ_SPLIT_DS_STAGES dS stages and one P stage per consumer
         ds_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, DQ_SPLIT_DS_STAGES * CONSUMERS)
         p_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, CONSUMERS)
     else:  # dS^T (keys x queries); p_stages never read
         ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
         p_stages = ds_stages
-    if DQ_SPLIT:  # a half of dQ's columns per consumer
+    if RESIDENT_Q:  # the program's dQ at its end, one [BLOCK_M, D/2] fp32 half at a time, in c's P and dS stages
+        tl.static_assert(2 * KEYS * tlx.size_of(dtype) == HEAD_DIM // CONSUMERS * 4)
+        dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM // CONSUMERS), tl.float32, CONSUMERS, reuse=stages_and_dq)
+    elif DQ_SPLIT:  # a half of dQ's columns per consumer
         dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM // CONSUMERS), tl.float32, CONSUMERS)
     elif DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:  # consumer 0's stage, then the handoff ring
         dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM), tl.float32, 1 + DQ_HANDOFF_BUFFERS)
@@ -642,7 +709,19 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                      HAS_WINDOW, BROADCAST_Q)
                 if num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
-                    if EARLY_V_RELEASE:
+                    if RESIDENT_Q:  # the tile's V, K and dO in one ring slot; the query block once
+                        if kv_loads == 0:
+                            tlx.barrier_expect_bytes(q_fulls[0], Q_BYTES)
+                            tlx.async_descriptor_load(desc_q, q_tiles[0], [q_start + first_row, kv_head * HEAD_DIM],
+                                                      q_fulls[0])
+                        _load_kv_halves_into(desc_v, v_tiles, kv_slot, v_empties[kv_slot], kv_phase, kv_fulls,
+                                             kv_slot, 2 * CONSUMERS * KV_HALF_BYTES + Q_BYTES, kv_start + col0,
+                                             kv_head, KEYS, HEAD_DIM, CONSUMERS)
+                        _load_kv_halves_into(desc_k, k_tiles, kv_slot, kv_empties[kv_slot], kv_phase, kv_fulls,
+                                             kv_slot, 0, kv_start + col0, kv_head, KEYS, HEAD_DIM, CONSUMERS)
+                        tlx.async_descriptor_load(desc_do, do_tiles[kv_slot],
+                                                  [out_row0 + first_row, kv_head * HEAD_DIM], kv_fulls[kv_slot])
+                    elif EARLY_V_RELEASE:
                         # Separate rings: whichever slot frees first is filled first (V's after the
                         # tile's last dP when the rings are as deep, K's a tile ahead when K's is deeper).
                         v_slot, v_phase = ring_slot(kv_loads, NUM_V_BUFFERS)
@@ -671,31 +750,35 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             tlx.async_descriptor_load(desc_v, v_tiles[kv_slot * CONSUMERS + c],
                                                       kv_coord, kv_fulls[kv_slot])
                     kv_loads += 1
-                    for g in range(gqa_group):
-                        head = kv_head * gqa_group + g
-                        selected, head_blocks = _query_blocks_of(
-                            seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
-                            num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
-                            BLOCK_SPARSE)
-                        for block in range(head_blocks):
-                            row = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N,
-                                                   BLOCK_SPARSE)
-                            slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
-                            tlx.barrier_wait(q_empties[slot], phase ^ 1)
-                            tlx.barrier_expect_bytes(q_fulls[slot], 2 * Q_BYTES)
-                            tlx.async_descriptor_load(desc_q, q_tiles[slot],
-                                                      [q_start + row, head * HEAD_DIM],
-                                                      q_fulls[slot])
-                            tlx.async_descriptor_load(desc_do, do_tiles[slot],
-                                                      [out_row0 + row, head * HEAD_DIM],
-                                                      q_fulls[slot])
-                            q_loads += 1
+                    if not RESIDENT_Q:
+                        for g in range(gqa_group):
+                            head = kv_head * gqa_group + g
+                            selected, head_blocks = _query_blocks_of(
+                                seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
+                                num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
+                                BLOCK_SPARSE)
+                            for block in range(head_blocks):
+                                row = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N,
+                                                       BLOCK_SPARSE)
+                                slot, phase = ring_slot(q_loads, NUM_Q_BUFFERS)
+                                tlx.barrier_wait(q_empties[slot], phase ^ 1)
+                                tlx.barrier_expect_bytes(q_fulls[slot], 2 * Q_BYTES)
+                                tlx.async_descriptor_load(desc_q, q_tiles[slot],
+                                                          [q_start + row, head * HEAD_DIM],
+                                                          q_fulls[slot])
+                                tlx.async_descriptor_load(desc_do, do_tiles[slot],
+                                                          [out_row0 + row, head * HEAD_DIM],
+                                                          q_fulls[slot])
+                                q_loads += 1
 
         with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS,
                             replicate=CONSUMERS):
             cid: tl.constexpr = tlx.async_task_replica_id()
             kv_loads = 0
             q_loads = 0
+            HALF_D: tl.constexpr = HEAD_DIM // CONSUMERS
+            dq_lo = tl.zeros([BLOCK_M, HALF_D], tl.float32)  # RESIDENT_Q: the program's dQ, both halves of D
+            dq_hi = tl.zeros([BLOCK_M, HALF_D], tl.float32)
             for tile in range(first_tile, num_tiles, tile_stride):
                 (kv_head, seq, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
                  num_q_blocks) = _kv_tile_geometry(
@@ -707,51 +790,77 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                 if num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
                     v_slot, _ = ring_slot(kv_loads, NUM_V_BUFFERS)
+                    if RESIDENT_Q:  # one query head per key head; the rows' LSE and Delta load under the waits
+                        lse_log2, delta = lse_delta_rows(lse_ptr, delta_ptr, kv_head, out_row0, first_row, q_len,
+                                                         stride_lse_head, stride_delta_head, BLOCK_M)
+                        tlx.barrier_wait(q_fulls[0], 0)
                     tlx.barrier_wait(kv_fulls[kv_slot], kv_phase)
-                    dk = tl.zeros([KEYS, HEAD_DIM], tl.float32)
-                    dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
-                    for g in range(gqa_group):
-                        head = kv_head * gqa_group + g
-                        selected, head_blocks = _query_blocks_of(
-                            seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
-                            num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
-                            BLOCK_SPARSE)
-                        # Masked blocks, the mask-free bulk, masked blocks (MASK_FREE_BULK; else all masked).
-                        BULK: tl.constexpr = MASK_FREE_BULK and not BLOCK_SPARSE
-                        bulk_lo, bulk_hi = head_blocks, head_blocks
-                        if BULK:
-                            bulk_lo, bulk_hi = _full_block_range(
-                                col0 + cid * KEYS, col0 + cid * KEYS + KEYS - 1, first_row, head_blocks,
-                                q_len, kv_len, window, BLOCK_M, CAUSAL, HAS_WINDOW)
-                        lse_log2 = tl.zeros([BLOCK_M], tl.float32)  # the first block's, with DQ_SPLIT
-                        delta = tl.zeros([BLOCK_M], tl.float32)
-                        if DQ_SPLIT and head_blocks > 0:
-                            lse_log2, delta = lse_delta_rows(
-                                lse_ptr, delta_ptr, head, out_row0,
-                                _query_block_row(0, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE), q_len,
-                                stride_lse_head, stride_delta_head, BLOCK_M)
-                        for segment in tl.static_range(3 if BULK else 1):
-                            lo, hi = loop_segment(segment, 0, bulk_lo, bulk_hi, head_blocks)
-                            for block in range(lo, hi):
-                                dk, dv, q_loads, lse_log2, delta = _consumer_q_block(
-                                    block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles, kv_slot,
-                                    v_slot, v_empties[v_slot], g == gqa_group - 1, ds_stages, p_stages, dq_stages,
-                                    handoff_fulls, handoff_empties, desc_dq, dq_row0,
-                                    dk, dv, lse_ptr, delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len,
-                                    kv_cols, first_row, selected, head_blocks, lse_log2, delta, window,
-                                    stride_lse_head, stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE,
-                                    DQ_HANDOFF_BUFFERS, DQ_SPLIT, cid, BLOCK_SPARSE, segment != 1, EARLY_V_RELEASE)
+                    if RESIDENT_Q:  # the step stores dK and dV
+                        # Buffers the loop would index by constants go through `per_step`, like the K/V slot:
+                        # their wgmma descriptors, hoisted out of the tile loop, spilled (20-31 reloads per tile).
+                        same = per_step(tl.to_tensor(0))
+                        slot = per_step(kv_slot)
+                        dq_lo, dq_hi = _consumer_resident_q_step(
+                            q_tiles[same], do_tiles[slot], k_tiles[slot * CONSUMERS + cid],
+                            v_tiles[slot * CONSUMERS + cid], p_stages[same + 2 * cid], ds_stages[same + 2 * cid + 1],
+                            dq_lo, dq_hi, lse_log2, delta, q_len, kv_len, kv_cols, window, qk_scale_log2, sm_scale,
+                            v_empties[kv_slot], dk_ptr, dv_ptr, kv_start, kv_head, stride_dkv_row, HEAD_DIM, BLOCK_M,
+                            CAUSAL, HAS_WINDOW)
+                    else:
+                        dk = tl.zeros([KEYS, HEAD_DIM], tl.float32)
+                        dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
+                        for g in range(gqa_group):
+                            head = kv_head * gqa_group + g
+                            selected, head_blocks = _query_blocks_of(
+                                seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
+                                num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
+                                BLOCK_SPARSE)
+                            # Masked blocks, the mask-free bulk, masked blocks (MASK_FREE_BULK; else all masked).
+                            BULK: tl.constexpr = MASK_FREE_BULK and not BLOCK_SPARSE
+                            bulk_lo, bulk_hi = head_blocks, head_blocks
+                            if BULK:
+                                bulk_lo, bulk_hi = _full_block_range(
+                                    col0 + cid * KEYS, col0 + cid * KEYS + KEYS - 1, first_row, head_blocks,
+                                    q_len, kv_len, window, BLOCK_M, CAUSAL, HAS_WINDOW)
+                            lse_log2 = tl.zeros([BLOCK_M], tl.float32)  # the first block's, with DQ_SPLIT
+                            delta = tl.zeros([BLOCK_M], tl.float32)
+                            if DQ_SPLIT and head_blocks > 0:
+                                lse_log2, delta = lse_delta_rows(
+                                    lse_ptr, delta_ptr, head, out_row0,
+                                    _query_block_row(0, first_row, selected, BLOCK_M, BLOCK_N, BLOCK_SPARSE), q_len,
+                                    stride_lse_head, stride_delta_head, BLOCK_M)
+                            for segment in tl.static_range(3 if BULK else 1):
+                                lo, hi = loop_segment(segment, 0, bulk_lo, bulk_hi, head_blocks)
+                                for block in range(lo, hi):
+                                    dk, dv, q_loads, lse_log2, delta = _consumer_q_block(
+                                        block, q_loads, q_tiles, do_tiles, q_fulls, q_empties, k_tiles, v_tiles,
+                                        kv_slot, v_slot, v_empties[v_slot], g == gqa_group - 1, ds_stages, p_stages,
+                                        dq_stages, handoff_fulls, handoff_empties, desc_dq, dq_row0, dk, dv, lse_ptr,
+                                        delta_ptr, dq_ptr, head, q_start, q_len, out_row0, kv_len, kv_cols, first_row,
+                                        selected, head_blocks, lse_log2, delta, window, stride_lse_head,
+                                        stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M,
+                                        BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE, DQ_HANDOFF_BUFFERS,
+                                        DQ_SPLIT, cid, BLOCK_SPARSE, segment != 1, EARLY_V_RELEASE)
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
-                    # Store inside the branch: joining the wgmma accumulators with a zero tile
-                    # would route them through shared memory for a layout change.
-                    _store_kv_grads(dk_ptr, dv_ptr, (dk * sm_scale).to(dtype), dv.to(dtype),
-                                    kv_start + kv_cols, kv_ok, kv_head, stride_dkv_row, HEAD_DIM)
+                    if not RESIDENT_Q:
+                        # Store inside the branch: joining the wgmma accumulators with a zero tile
+                        # would route them through shared memory for a layout change.
+                        _store_kv_grads(dk_ptr, dv_ptr, (dk * sm_scale).to(dtype), dv.to(dtype),
+                                        kv_start + kv_cols, kv_ok, kv_head, stride_dkv_row, HEAD_DIM)
                 else:  # no query sees these keys: their gradients are 0
                     zeros = tl.zeros([KEYS, HEAD_DIM], dtype)
                     _store_kv_grads(dk_ptr, dv_ptr, zeros, zeros, kv_start + kv_cols, kv_ok,
                                     kv_head, stride_dkv_row, HEAD_DIM)
+            if RESIDENT_Q:  # plain stores: this program's partial is its own (every row, so none is zeroed)
+                dq_row = dq_row0 + cid * BLOCK_M
+                tlx.local_store(dq_stages[cid], dq_lo * sm_scale)
+                tlx.fence_async_shared()
+                tlx.async_descriptor_store(desc_dq, dq_stages[cid], [dq_row, 0])
+                tlx.async_descriptor_store_wait(0)
+                tlx.local_store(dq_stages[cid], dq_hi * sm_scale)
+                tlx.fence_async_shared()
+                tlx.async_descriptor_store(desc_dq, dq_stages[cid], [dq_row, HALF_D])
             if DQ_MODE == DQ_TMA_REDUCE:
                 tlx.async_descriptor_store_wait(0)  # shared memory must outlive the last reduce
 
@@ -939,6 +1048,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
     tuning["DQ_SPLIT"] = tuning["DQ_SPLIT"] and dq_mode == "tma_reduce"  # the split dQ is reduce-added by TMA
     tuning["EARLY_V_RELEASE"] = tuning["DQ_SPLIT"] and bool(broadcast_q)
     tuning["NUM_V_BUFFERS"] = tuning["NUM_KV_BUFFERS"]
+    tuning["RESIDENT_Q"] = False
     if tuning["EARLY_V_RELEASE"] and gqa_group * triton.cdiv(max_queries, tuning["BLOCK_M"]) == 1:
         tuning.update(ONE_STEP_TUNING.get(head_dim, {}))
     if selection_width and (window is not None or broadcast_q or dq_mode != "separate"
@@ -1130,13 +1240,20 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
                                       max_seq_len_q=max_seq_len_q)
     max_tiles = schedule.max_entries * kv_heads
     grid = (max(1, min(num_sms, max_tiles)),)
+    resident_q = config["RESIDENT_Q"]
+    if resident_q:  # program p takes the tiles p, p + grid, ...: all of key head p % kv_heads
+        grid = (max(kv_heads, grid[0] // kv_heads * kv_heads),)
     row_width = q_heads * head_dim
     # fp32 dQ accumulator: one copy per program with broadcast-Q (summed below), else one shared.
     partials = grid[0] if (broadcast_q and fused_dq) else 1
     # Separate mode never touches the accumulator; a one-box stand-in keeps the signature whole.
-    dq_accum = (torch.zeros((partials, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
-                if fused_dq else torch.empty((1, config["BLOCK_M"], 1, head_dim), dtype=torch.float32,
-                                             device=q.device))
+    if resident_q:  # each consumer of each program writes its [BLOCK_M, D] dQ once, whole
+        dq_accum = torch.empty((grid[0] * NUM_CONSUMERS.value, config["BLOCK_M"], 1, head_dim), dtype=torch.float32,
+                               device=q.device)
+    elif fused_dq:
+        dq_accum = torch.zeros((partials, q.shape[0], q_heads, head_dim), dtype=torch.float32, device=q.device)
+    else:
+        dq_accum = torch.empty((1, config["BLOCK_M"], 1, head_dim), dtype=torch.float32, device=q.device)
     qk_scale_log2 = sm_scale * LOG2E.value
     _jagged_bwd_kernel[grid](
         _rows_descriptor(q, config["BLOCK_M"]), _rows_descriptor(k, config["BLOCK_N"] // NUM_CONSUMERS.value),
@@ -1146,10 +1263,16 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if by_key_block is None else by_key_block.blocks, None if by_key_block is None else by_key_block.counts,
         0 if by_key_block is None else by_key_block.row_blocks, lse.stride(0), delta.stride(0), row_width,
-        q.shape[0] * row_width if partials > 1 else 0, q.shape[0] if partials > 1 else 0, kv_heads * head_dim,
+        q.shape[0] * row_width if partials > 1 else 0,
+        NUM_CONSUMERS.value * config["BLOCK_M"] if resident_q else q.shape[0] if partials > 1 else 0,
+        kv_heads * head_dim,
         kv_heads, schedule.kv_blocks_per_seq, broadcast_q_len,
         0 if window is None else window, q_heads // kv_heads, qk_scale_log2, sm_scale,
         num_warps=PRODUCER_WARPS, num_stages=launch_num_stages(head_dim, dq_mode), **config)
+    if resident_q:
+        per_head = dq_accum.view(grid[0] // kv_heads, kv_heads, NUM_CONSUMERS.value, config["BLOCK_M"], head_dim)
+        dq.copy_(per_head[:, :, :, :q.shape[0]].sum((0, 2)).transpose(0, 1))
+        return dq, dk, dv
     if fused_dq:
         dq.copy_(dq_accum.sum(0) if partials > 1 else dq_accum[0])
         return dq, dk, dv
