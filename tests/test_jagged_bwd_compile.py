@@ -226,6 +226,19 @@ def test_one_step_tuning_only_where_every_broadcast_tile_runs_one_step():
         assert config["NUM_V_BUFFERS"] == config["NUM_KV_BUFFERS"] == jagged_bwd.FUSED_DQ_TUNING[128]["NUM_KV_BUFFERS"]
 
 
+def test_deterministic_runs_resident_q_where_it_is_the_default():
+    """RESIDENT_Q adds nothing (each program stores its dQ once; the copies are summed in a fixed order), so
+    deterministic=True keeps it where it is the default; elsewhere, and for atomics, the separate mode."""
+    resolve = jagged_bwd.resolve_dq_mode
+    assert resolve(None, deterministic=True, default="tma_reduce", resident_q=True) == "tma_reduce"
+    assert resolve("tma_reduce", deterministic=True, default="separate", resident_q=True) == "tma_reduce"
+    assert resolve(None, deterministic=True, default="separate", resident_q=True) == "separate"
+    assert resolve(None, deterministic=True, default="tma_reduce", resident_q=False) == "separate"
+    for mode, resident_q in (("atomic", True), ("tma_reduce", False)):
+        with pytest.raises(ValueError, match="deterministic"):
+            resolve(mode, deterministic=True, resident_q=resident_q)
+
+
 def test_default_dq_mode_fuses_only_where_measured_faster():
     """Dense selection, keys averaging at most FUSED_DQ_MAX_MEAN_KEYS (FUSED_DQ_MAX_MEAN_KEYS_CAUSAL when
     causal) and queries at least FUSED_DQ_MIN_MEAN_QUERIES, at a head dim of FUSED_DQ_DEFAULT_HEAD_DIMS:

@@ -11,9 +11,10 @@ written once per tile, in the input dtype, with no atomics: the GQA group sum is
 dQ is the only gradient that several programs add to (every KV tile of a sequence contributes to
 every query row that sees it). Three ways to form it (`dq_mode`):
 
-- "separate" (the default for short batches, and what `deterministic=True` runs): the TLX kernel computes dK and dV
-  only, and dQ comes from a query-stationary kernel in which each program owns its rows and walks
-  the keys in a fixed order: no float atomics, bitwise reproducible. That is the forward kernel's dQ
+- "separate" (the default for short batches, and what `deterministic=True` runs but for RESIDENT_Q,
+  below): the TLX kernel computes dK and dV only, and dQ comes from a query-stationary kernel in
+  which each program owns its rows and walks the keys in a fixed order: no float atomics, bitwise
+  reproducible. That is the forward kernel's dQ
   fork (`jagged_fwd.jagged_attention_dq`), or in the block-sparse fork the plain Triton `_dq_kernel`.
   It recomputes S and dP, yet measured 3-4x faster on the H200 than the fused atomic mode below;
 - "atomic": fused; each consumer adds its `[BLOCK_M, D]` dQ piece to an fp32 accumulator with
@@ -29,7 +30,8 @@ With broadcast-Q the fused modes give every program its own fp32 copy of the sha
 the separate mode writes one fp32 partial per sequence and sums them in a fixed order. When the
 shared query is a single block at D=128 and every key head has one query head (`ONE_STEP_TUNING`),
 each program keeps its block resident (RESIDENT_Q): Q loaded once, dQ summed in registers over all
-of the program's key tiles and written once to its own partial, with no adds at all.
+of the program's key tiles and written once to its own partial, with no adds at all. That is
+bitwise reproducible too, so where it is the default `deterministic=True` runs it as well.
 
 Warp roles of the TLX kernel (`tlx.async_tasks`):
 - producer (the default task, one warpgroup, few registers): TMA loads of the tile's K and V (one
@@ -1015,13 +1017,20 @@ def batch_dq_mode(head_dim: int, q_rows: int, kv_rows: int, num_seqs: int, num_s
                            mean_queries=math.inf if broadcast_q else q_rows / per_seq)
 
 
-def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEFAULT_DQ_MODE) -> str:
-    """The dQ strategy to run: `dq_mode` if given, else `default` (`default_dq_mode`); deterministic
-    needs "separate"."""
-    mode = ("separate" if deterministic else default) if dq_mode is None else dq_mode
+def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEFAULT_DQ_MODE,
+                    resident_q: bool = False) -> str:
+    """The dQ strategy to run: `dq_mode` if given, else `default` (`default_dq_mode`). Deterministic
+    needs "separate", or "tma_reduce" where that runs RESIDENT_Q (`resident_q`), which adds nothing:
+    each program stores its dQ once and the copies are summed in a fixed order. So where the default
+    is that, deterministic=True runs it too, at no cost."""
+    in_order = ("separate", "tma_reduce") if resident_q else ("separate",)
+    if dq_mode is None:
+        mode = default if not deterministic or default in in_order else "separate"
+    else:
+        mode = dq_mode
     if mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {sorted(DQ_MODES)} (or None for the default), got {dq_mode!r}")
-    if deterministic and mode != "separate":
+    if deterministic and mode not in in_order:
         raise ValueError(f"dq_mode={mode!r} adds dQ with float atomics, which is not deterministic; "
                          "pass dq_mode='separate' (or None) with deterministic=True")
     return mode
@@ -1205,10 +1214,13 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    dq_mode = resolve_dq_mode(dq_mode, deterministic, batch_dq_mode(
-        head_dim, q.shape[0], k.shape[0], num_seqs, num_sms, causal, broadcast_q, selection is not None))
     kv_heads = k.shape[1]
     broadcast_q_len = q.shape[0] if broadcast_q else 0
+    # RESIDENT_Q needs only the shared query's rows, which broadcast-Q knows without a sync.
+    resident_q = broadcast_q and kernel_config(head_dim, q.dtype, broadcast_q=True, dq_mode="tma_reduce",
+                                               max_queries=broadcast_q_len, gqa_group=q_heads // kv_heads)["RESIDENT_Q"]
+    dq_mode = resolve_dq_mode(dq_mode, deterministic, batch_dq_mode(
+        head_dim, q.shape[0], k.shape[0], num_seqs, num_sms, causal, broadcast_q, selection is not None), resident_q)
     if grads is None:
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq, dk, dv = grads

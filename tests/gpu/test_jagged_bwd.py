@@ -209,6 +209,8 @@ DETERMINISTIC_CASES = {
     "gqa4_causal_window": dict(q_lens=EDGE_LENGTHS, kv_lens=EDGE_LENGTHS, heads_q=8, heads_kv=2, causal=True,
                                window=50),
     "pma_q64": dict(q_lens=[64] * 30, kv_lens=random_lengths(30, 0, 700, seed=4), broadcast_q=True),
+    # more sequences than SMs: the fused default, RESIDENT_Q, which is deterministic itself
+    "pma_q48_resident_q": dict(q_lens=[48] * 200, kv_lens=random_lengths(200, 0, 400, seed=6), broadcast_q=True),
     "long_d64": dict(q_lens=LONG_LENGTHS, kv_lens=LONG_LENGTHS, heads_q=2, heads_kv=2, head_dim=64),
 }
 
