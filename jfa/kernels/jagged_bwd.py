@@ -303,23 +303,25 @@ def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num
 
 
 @triton.jit
-def _query_blocks_of(seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr, num_q_heads,
+def _query_blocks_of(seq, kv_head, g, gqa_group, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr, num_kv_heads,
                      sel_kv_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_WIDTH: tl.constexpr,
                      BLOCK_SPARSE: tl.constexpr):
-    """(selected, count): the query blocks of BLOCK_M rows query head `head` streams past this key tile.
+    """(head, selected, count): the g-th query head of key head `kv_head`'s GQA group, and the query
+    blocks of BLOCK_M rows it streams past this key tile.
 
     Dense: the geometry's consecutive blocks. Block-sparse: the transposed selection's row for
     (sequence, head, key block) lists the selecting query blocks of BLOCK_N rows in ascending order;
     each is streamed as BLOCK_N // BLOCK_M blocks of BLOCK_M rows.
     """
+    head = kv_head * gqa_group + g
     if BLOCK_SPARSE:
-        entry = (seq * num_q_heads + head) * sel_kv_blocks + col0 // BLOCK_N
+        entry = (seq * num_kv_heads * gqa_group + head) * sel_kv_blocks + col0 // BLOCK_N
         selected = q_blocks_ptr + entry.to(tl.int64) * SEL_WIDTH
         count = tl.load(q_block_counts_ptr + entry) * (BLOCK_N // BLOCK_M)
     else:
         selected = num_q_blocks  # unused: consecutive query blocks
         count = num_q_blocks
-    return selected, count
+    return head, selected, count
 
 
 @triton.jit
@@ -754,11 +756,9 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                     kv_loads += 1
                     if not RESIDENT_Q:
                         for g in range(gqa_group):
-                            head = kv_head * gqa_group + g
-                            selected, head_blocks = _query_blocks_of(
-                                seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
-                                num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
-                                BLOCK_SPARSE)
+                            head, selected, head_blocks = _query_blocks_of(
+                                seq, kv_head, g, gqa_group, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
+                                num_kv_heads, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH, BLOCK_SPARSE)
                             for block in range(head_blocks):
                                 row = _query_block_row(block, first_row, selected, BLOCK_M, BLOCK_N,
                                                        BLOCK_SPARSE)
@@ -812,11 +812,9 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                         dk = tl.zeros([KEYS, HEAD_DIM], tl.float32)
                         dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
                         for g in range(gqa_group):
-                            head = kv_head * gqa_group + g
-                            selected, head_blocks = _query_blocks_of(
-                                seq, head, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
-                                num_kv_heads * gqa_group, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH,
-                                BLOCK_SPARSE)
+                            head, selected, head_blocks = _query_blocks_of(
+                                seq, kv_head, g, gqa_group, col0, num_q_blocks, q_blocks_ptr, q_block_counts_ptr,
+                                num_kv_heads, sel_kv_blocks, BLOCK_M, BLOCK_N, SEL_WIDTH, BLOCK_SPARSE)
                             # Masked blocks, the mask-free bulk, masked blocks (MASK_FREE_BULK; else all masked).
                             BULK: tl.constexpr = MASK_FREE_BULK and not BLOCK_SPARSE
                             bulk_lo, bulk_hi = head_blocks, head_blocks
