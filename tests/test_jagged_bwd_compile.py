@@ -225,18 +225,14 @@ def test_one_step_tuning_only_where_every_broadcast_tile_runs_one_step():
         assert not config["RESIDENT_Q"]
         assert config["NUM_V_BUFFERS"] == config["NUM_KV_BUFFERS"] == jagged_bwd.FUSED_DQ_TUNING[128]["NUM_KV_BUFFERS"]
 
-def test_resident_q_grid_keeps_one_key_head_per_program_and_enough_sms_busy():
-    """A multiple of the key heads within the SMs (or the tiles); where its waves idle over a quarter of the
-    SMs (48, 67 or 150 heads on 132), the general step."""
+
+def test_resident_q_grid_keeps_one_key_head_per_program():
+    """A multiple of the key heads within the SMs (or the tiles), at least one program per key head."""
     assert jagged_bwd.resident_q_grid(132, 4, 10**6) == 132
     assert jagged_bwd.resident_q_grid(132, 5, 10**6) == 130
+    assert jagged_bwd.resident_q_grid(132, 67, 10**6) == 67
     assert jagged_bwd.resident_q_grid(132, 4, 10) == 8
     assert jagged_bwd.resident_q_grid(132, 200, 10**6) == 200
-    for kv_heads, resident in [(4, True), (5, True), (40, True), (48, False), (67, False), (132, True), (200, True),
-                               (150, False)]:
-        config = jagged_bwd.kernel_config(128, BF16, broadcast_q=True, dq_mode=TMA, max_queries=64, kv_heads=kv_heads,
-                                          num_sms=132)
-        assert config["RESIDENT_Q"] == resident, kv_heads
 
 
 def test_deterministic_runs_resident_q_where_it_is_the_default():

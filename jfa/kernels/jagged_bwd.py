@@ -166,16 +166,18 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of T
 # (results/ab-bwd-resident-q-*): PMA q=64 1.40x (190 -> 267 TFLOP/s); PMA q=256 (4 steps) unchanged.
 ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=2, NUM_Q_BUFFERS=1, RESIDENT_Q=True)}
 # Each RESIDENT_Q program keeps one key head, so its grid is the largest multiple of the key heads
-# that fits the SMs (`resident_q_grid`). Where that leaves more than a quarter of them idle (e.g. 48
-# or 67 heads on 132 SMs) the general step runs instead: 1.40x with every SM busy is about level
-# with it at three quarters of them (an estimate, not measured).
-RESIDENT_Q_MIN_SM_SHARE = 0.75
+# that fits the SMs (`resident_q_grid`), and some head counts leave SMs idle. It still won at every
+# count measured against the general step (dq_mode="tma_reduce", same process, 3 rounds, PMA q=64
+# with as many tokens as the suite's; results/bwd-resident-q-by-heads-*): 4 heads (132 programs)
+# 1.48x, 48 (96) 1.61x, 67 (67, half the SMs) 1.18x, 150 (two waves of 132 and 18) 1.34x.
 
 
 def resident_q_grid(num_sms: int, kv_heads: int, max_tiles: int) -> int:
     """RESIDENT_Q's programs: a multiple of `kv_heads` (program p takes the tiles p, p + grid, ...,
     all of key head p % kv_heads), at most the SMs or the tiles, at least one per key head."""
     return max(kv_heads, min(num_sms, max_tiles) // kv_heads * kv_heads)
+
+
 # The dK/dV kernel is launched at num_stages 1, where Triton's pipeliner makes every wgmma finish
 # before the next instruction (`jagged_fwd.NUM_STAGES` says how), so each consumer's matrix
 # multiplies overlap only the other consumer's softmax. Measured on the H200 against that: without
@@ -1047,14 +1049,12 @@ def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEF
 
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, window: int | None = None,
                   broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE, selection_width: int = 0,
-                  max_queries: int = 0, gqa_group: int = 1, kv_heads: int = 0, num_sms: int = 0) -> dict:
+                  max_queries: int = 0, gqa_group: int = 1) -> dict:
     """The TLX kernel's constexprs for one problem class (tuning from TUNING, flags from the problem).
 
     `selection_width` > 0 compiles the block-sparse fork (the transposed selection's row width).
     `max_queries` (the longest sequence's queries; 0 when unknown) and `gqa_group` (query heads per key
-    head) say how many steps a key tile runs: one picks ONE_STEP_TUNING with broadcast-Q, where
-    `kv_heads` and `num_sms` (0: not known, as in a compile-only inspection) keep enough SMs busy
-    (RESIDENT_Q_MIN_SM_SHARE).
+    head) say how many steps a key tile runs: one picks ONE_STEP_TUNING with broadcast-Q.
     """
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {sorted(DQ_MODES)}, got {dq_mode!r}")
@@ -1069,12 +1069,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
     tuning["EARLY_V_RELEASE"] = tuning["DQ_SPLIT"] and bool(broadcast_q)
     tuning["NUM_V_BUFFERS"] = tuning["NUM_KV_BUFFERS"]
     tuning["RESIDENT_Q"] = False
-    busy_share = 1.0
-    if kv_heads and num_sms:  # the share of the SMs its waves of programs keep busy
-        programs = resident_q_grid(num_sms, kv_heads, num_sms)
-        busy_share = programs / (triton.cdiv(programs, num_sms) * num_sms)
-    if (tuning["EARLY_V_RELEASE"] and gqa_group * triton.cdiv(max_queries, tuning["BLOCK_M"]) == 1
-            and busy_share >= RESIDENT_Q_MIN_SM_SHARE):
+    if tuning["EARLY_V_RELEASE"] and gqa_group * triton.cdiv(max_queries, tuning["BLOCK_M"]) == 1:
         tuning.update(ONE_STEP_TUNING.get(head_dim, {}))
     if selection_width and (window is not None or broadcast_q or dq_mode != "separate"
                             or tuning["BLOCK_N"] != specs.BLOCK_SPARSE_BLOCK):
@@ -1234,8 +1229,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     broadcast_q_len = q.shape[0] if broadcast_q else 0
     # RESIDENT_Q needs only the shared query's rows, which broadcast-Q knows without a sync.
     resident_q = broadcast_q and kernel_config(head_dim, q.dtype, broadcast_q=True, dq_mode="tma_reduce",
-                                               max_queries=broadcast_q_len, gqa_group=q_heads // kv_heads,
-                                               kv_heads=kv_heads, num_sms=num_sms)["RESIDENT_Q"]
+                                               max_queries=broadcast_q_len, gqa_group=q_heads // kv_heads)["RESIDENT_Q"]
     dq_mode = resolve_dq_mode(dq_mode, deterministic, batch_dq_mode(
         head_dim, q.shape[0], k.shape[0], num_seqs, num_sms, causal, broadcast_q, selection is not None), resident_q)
     if grads is None:
@@ -1261,8 +1255,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         by_key_block = transposed_selection(selection, triton.cdiv(max_seq_len_kv, specs.BLOCK_SPARSE_BLOCK))
     config = kernel_config(head_dim, q.dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                            dq_mode=dq_mode, selection_width=0 if by_key_block is None else by_key_block.width,
-                           max_queries=max_seq_len_q, gqa_group=q_heads // kv_heads, kv_heads=kv_heads,
-                           num_sms=num_sms)
+                           max_queries=max_seq_len_q, gqa_group=q_heads // kv_heads)
     fused_dq = dq_mode != "separate"
     schedule = build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=max_seq_len_kv,
                                       broadcast_q_len=broadcast_q_len, block_m=config["BLOCK_M"],
