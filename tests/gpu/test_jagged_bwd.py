@@ -144,11 +144,6 @@ PMA_CASES = {
     "q64_kv_U1_300": dict(q_len=64, kv_lens=random_lengths(40, 0, 300, seed=2)),
     "q1": dict(q_len=1, kv_lens=[5, 0, 129]),
     "q100_window_causal": dict(q_len=100, kv_lens=[300, 65, 1, 100], window=32, causal=True),
-    # one query block, one head per key head: each program keeps Q and its dQ (RESIDENT_Q); five heads
-    # do not divide the SMs, and key tiles that see no query (window, causal) are skipped
-    "q50_window_causal_heads5": dict(q_len=50, kv_lens=[300, 65, 1, 100, 0, 777], window=32, causal=True,
-                                     heads_q=5, heads_kv=5),
-    "q64_fp16_long": dict(q_len=64, kv_lens=random_lengths(30, 0, 3000, seed=4), dtype=torch.float16),
     "q256_gqa4_d64": dict(q_len=256, kv_lens=random_lengths(12, 1, 1000, seed=3), heads_q=8, heads_kv=2,
                           head_dim=64),
 }
@@ -170,6 +165,12 @@ FUSED_DQ_CASES = {  # the fused dQ modes on a cross-section of the features
     "pma_q64": dict(q_lens=[64] * 40, kv_lens=random_lengths(40, 0, 300, seed=2), broadcast_q=True),
     "pma_q100_window_causal": dict(q_lens=[100] * 4, kv_lens=[300, 65, 1, 100], window=32, causal=True,
                                    broadcast_q=True),
+    # one query block, one head per key head: with tma_reduce each program keeps Q and its dQ
+    # (RESIDENT_Q); five heads do not divide the SMs, and key tiles no query sees (window, causal) are skipped
+    "pma_q50_window_causal_heads5": dict(q_lens=[50] * 6, kv_lens=[300, 65, 1, 100, 0, 777], window=32, causal=True,
+                                         heads_q=5, heads_kv=5, broadcast_q=True),
+    "pma_q64_fp16_long": dict(q_lens=[64] * 30, kv_lens=random_lengths(30, 0, 3000, seed=4), dtype=torch.float16,
+                              broadcast_q=True),
 }
 
 
