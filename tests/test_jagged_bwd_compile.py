@@ -41,6 +41,7 @@ CONFIGS = [
     (128, BF16, False, None, True, TMA),  # PMA's default: V's slot freed early (EARLY_V_RELEASE)
     (128, BF16, False, None, True, TMA, 64),  # PMA of one step per tile: ONE_STEP_TUNING (RESIDENT_Q)
     (128, BF16, True, 32, True, TMA, 64),
+    (64, BF16, False, None, True, TMA, 64),
     (64, BF16, False, None, False, TMA),
     (64, BF16, True, None, False, TMA),
     (128, BF16, True, 32, True, TMA),
@@ -219,6 +220,8 @@ def test_one_step_tuning_only_where_every_broadcast_tile_runs_one_step():
     one_step = jagged_bwd.ONE_STEP_TUNING[128]
     config = jagged_bwd.kernel_config(128, BF16, broadcast_q=True, dq_mode=TMA, max_queries=64)
     assert config["RESIDENT_Q"] and all(config[name] == value for name, value in one_step.items())
+    assert jagged_bwd.kernel_config(64, BF16, broadcast_q=True, dq_mode=TMA, max_queries=64)["RESIDENT_Q"]
+    assert not jagged_bwd.kernel_config(64, BF16, broadcast_q=True, dq_mode=ATOMIC, max_queries=64)["RESIDENT_Q"]
     for max_queries, gqa_group, broadcast_q in [(65, 1, True), (16, 2, True), (0, 1, True), (64, 1, False)]:
         config = jagged_bwd.kernel_config(128, BF16, broadcast_q=broadcast_q, dq_mode=TMA, max_queries=max_queries,
                                           gqa_group=gqa_group)

@@ -164,7 +164,9 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of T
 # K/V slot, so a tile's K, V and dO all land a tile ahead. Measured on the H200 against two K slots,
 # one V and one Q/dO (the reduce-add per tile), whole backward, same process, 3 rounds
 # (results/ab-bwd-resident-q-*): PMA q=64 1.40x (190 -> 267 TFLOP/s); PMA q=256 (4 steps) unchanged.
-ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=2, NUM_Q_BUFFERS=1, RESIDENT_Q=True)}
+ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=2, NUM_Q_BUFFERS=1, RESIDENT_Q=True),
+                   64: dict(NUM_KV_BUFFERS=4, NUM_V_BUFFERS=4, NUM_Q_BUFFERS=1, RESIDENT_Q=True, EARLY_V_RELEASE=True,
+                            DQ_HANDOFF_BUFFERS=0)}
 # Each RESIDENT_Q program keeps one key head, so its grid is the largest multiple of the key heads
 # that fits the SMs (`resident_q_grid`), and some head counts leave SMs idle. It still won at every
 # count measured against the general step (dq_mode="tma_reduce", same process, 3 rounds, PMA q=64
@@ -686,8 +688,10 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
         ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
         p_stages = ds_stages
     if RESIDENT_Q:  # the program's dQ at its end, one [BLOCK_M, D/2] fp32 half at a time, in c's P and dS stages
-        tl.static_assert(2 * KEYS * tlx.size_of(dtype) == HEAD_DIM // CONSUMERS * 4)
-        dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM // CONSUMERS), tl.float32, CONSUMERS, reuse=stages_and_dq)
+        FLUSH_STRIDE: tl.constexpr = 2 * KEYS * tlx.size_of(dtype) // (HEAD_DIM // CONSUMERS * 4)  # stages per P+dS
+        tl.static_assert(FLUSH_STRIDE * (HEAD_DIM // CONSUMERS * 4) == 2 * KEYS * tlx.size_of(dtype))
+        dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM // CONSUMERS), tl.float32, FLUSH_STRIDE * CONSUMERS,
+                                    reuse=stages_and_dq)
     elif DQ_SPLIT:  # a half of dQ's columns per consumer
         dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM // CONSUMERS), tl.float32, CONSUMERS)
     elif DQ_MODE == DQ_TMA_REDUCE and DQ_HANDOFF_BUFFERS > 0:  # consumer 0's stage, then the handoff ring
@@ -867,13 +871,14 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                                     kv_head, stride_dkv_row, HEAD_DIM)
             if RESIDENT_Q:  # plain stores: this program's partial is its own (every row, so none is zeroed)
                 dq_row = dq_row0 + cid * BLOCK_M
-                tlx.local_store(dq_stages[cid], dq_lo * sm_scale)
+                flush_stage = dq_stages[cid * FLUSH_STRIDE]
+                tlx.local_store(flush_stage, dq_lo * sm_scale)
                 tlx.fence_async_shared()
-                tlx.async_descriptor_store(desc_dq, dq_stages[cid], [dq_row, 0])
+                tlx.async_descriptor_store(desc_dq, flush_stage, [dq_row, 0])
                 tlx.async_descriptor_store_wait(0)
-                tlx.local_store(dq_stages[cid], dq_hi * sm_scale)
+                tlx.local_store(flush_stage, dq_hi * sm_scale)
                 tlx.fence_async_shared()
-                tlx.async_descriptor_store(desc_dq, dq_stages[cid], [dq_row, HALF_D])
+                tlx.async_descriptor_store(desc_dq, flush_stage, [dq_row, HALF_D])
             if DQ_MODE == DQ_TMA_REDUCE:
                 tlx.async_descriptor_store_wait(0)  # shared memory must outlive the last reduce
 
@@ -1047,6 +1052,11 @@ def resolve_dq_mode(dq_mode: str | None, deterministic: bool, default: str = DEF
     return mode
 
 
+def _dq_in_halves(config: dict) -> bool:
+    """Whether the kernel moves dQ in [BLOCK_M, D/2] boxes (its TMA view of the dQ accumulator)."""
+    return config["DQ_SPLIT"] or config["RESIDENT_Q"]
+
+
 def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, window: int | None = None,
                   broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE, selection_width: int = 0,
                   max_queries: int = 0, gqa_group: int = 1) -> dict:
@@ -1069,7 +1079,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, *, causal: bool = False, wi
     tuning["EARLY_V_RELEASE"] = tuning["DQ_SPLIT"] and bool(broadcast_q)
     tuning["NUM_V_BUFFERS"] = tuning["NUM_KV_BUFFERS"]
     tuning["RESIDENT_Q"] = False
-    if tuning["EARLY_V_RELEASE"] and gqa_group * triton.cdiv(max_queries, tuning["BLOCK_M"]) == 1:
+    if broadcast_q and dq_mode == "tma_reduce" and gqa_group * triton.cdiv(max_queries, tuning["BLOCK_M"]) == 1:
         tuning.update(ONE_STEP_TUNING.get(head_dim, {}))
     if selection_width and (window is not None or broadcast_q or dq_mode != "separate"
                             or tuning["BLOCK_N"] != specs.BLOCK_SPARSE_BLOCK):
@@ -1096,7 +1106,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                      desc_v=f"tensordesc<{name}[{keys}, {head_dim}]>",
                      desc_do=f"tensordesc<{name}[{constexprs['BLOCK_M']}, {head_dim}]>",
                      desc_dq=f"tensordesc<fp32[{constexprs['BLOCK_M']}, "
-                             f"{head_dim // NUM_CONSUMERS.value if constexprs['DQ_SPLIT'] else head_dim}]>",
+                             f"{head_dim // NUM_CONSUMERS.value if _dq_in_halves(constexprs) else head_dim}]>",
                      **_SIGNATURE_SCALARS)
     signature["dk_ptr"] = signature["dv_ptr"] = f"*{name}"
     constexprs = constexprs | _selection_args(signature, selection_width, ("q_blocks_ptr", "q_block_counts_ptr"))
@@ -1280,7 +1290,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         _rows_descriptor(q, config["BLOCK_M"]), _rows_descriptor(k, config["BLOCK_N"] // NUM_CONSUMERS.value),
         _rows_descriptor(v, config["BLOCK_N"] // NUM_CONSUMERS.value), _rows_descriptor(dout, config["BLOCK_M"]),
         _rows_descriptor(dq_accum.flatten(0, 1), config["BLOCK_M"],
-                         head_dim // NUM_CONSUMERS.value if config["DQ_SPLIT"] else None),
+                         head_dim // NUM_CONSUMERS.value if _dq_in_halves(config) else None),
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if by_key_block is None else by_key_block.blocks, None if by_key_block is None else by_key_block.counts,
         0 if by_key_block is None else by_key_block.row_blocks, lse.stride(0), delta.stride(0), row_width,

@@ -171,6 +171,7 @@ FUSED_DQ_CASES = {  # the fused dQ modes on a cross-section of the features
                                          heads_q=5, heads_kv=5, broadcast_q=True),
     "pma_q64_fp16_long": dict(q_lens=[64] * 30, kv_lens=random_lengths(30, 0, 3000, seed=4), dtype=torch.float16,
                               broadcast_q=True),
+    "pma_q64_d64": dict(q_lens=[64] * 40, kv_lens=random_lengths(40, 0, 700, seed=7), head_dim=64, broadcast_q=True),
 }
 
 
