@@ -28,7 +28,7 @@ every query row that sees it). Three ways to form it (`dq_mode`):
 With broadcast-Q the fused modes give every program its own fp32 copy of the shared query's dQ
 (B sequences would otherwise all add into the same `q_len` rows), and one reduce sums the copies;
 the separate mode writes one fp32 partial per sequence and sums them in a fixed order. When the
-shared query is a single block at D=128 and every key head has one query head (`ONE_STEP_TUNING`),
+shared query is a single block and every key head has one query head (`ONE_STEP_TUNING`),
 each program keeps its block resident (RESIDENT_Q): Q loaded once, dQ summed in registers over all
 of the program's key tiles and written once to its own partial, with no adds at all. That is
 bitwise reproducible too, so where it is the default `deterministic=True` runs it as well.
@@ -155,8 +155,8 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of T
 # Measured on the H200 against main, whole backward, same process, 3 rounds (results/ab-bwd-early-v-*):
 # PMA q=64 1.07x, q=256 1.04x; but dense D=128 0.985x and GEM 0.95-1.01x (L=1024 s=1 0.95x), where a
 # tile runs 8 or more steps, so self-attention keeps one barrier.
-# ONE_STEP_TUNING (EARLY_V_RELEASE where every key tile runs one step: a broadcast query of at most
-# BLOCK_M rows, one query head per key head): RESIDENT_Q. A program's tiles all have one key head
+# ONE_STEP_TUNING (the tma_reduce mode with broadcast-Q where every key tile runs one step: a
+# broadcast query of at most BLOCK_M rows, one query head per key head): RESIDENT_Q. A program's tiles all have one key head
 # (the grid is a multiple of the heads), so they all run the same query block: Q is loaded once, and
 # dQ is summed in registers over the program's tiles and stored once, into the program's own partial
 # (`_consumer_resident_q_step`). The per-tile dQ staging and reduce-add, the Q/dO ring and the
@@ -164,6 +164,9 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of T
 # K/V slot, so a tile's K, V and dO all land a tile ahead. Measured on the H200 against two K slots,
 # one V and one Q/dO (the reduce-add per tile), whole backward, same process, 3 rounds
 # (results/ab-bwd-resident-q-*): PMA q=64 1.40x (190 -> 267 TFLOP/s); PMA q=256 (4 steps) unchanged.
+# At D=64 it replaces the S^T step with the dQ handoff; its slots are half as large, so four of K, V
+# and dO fit, and nothing spills: PMA q=64 at D=64 (8 heads) 1.16x (189 -> 219 TFLOP/s,
+# results/ab-bwd-resident-q-d64-*). Both need V's own empty barrier (EARLY_V_RELEASE), freed after dP.
 ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=2, NUM_Q_BUFFERS=1, RESIDENT_Q=True),
                    64: dict(NUM_KV_BUFFERS=4, NUM_V_BUFFERS=4, NUM_Q_BUFFERS=1, RESIDENT_Q=True, EARLY_V_RELEASE=True,
                             DQ_HANDOFF_BUFFERS=0)}
