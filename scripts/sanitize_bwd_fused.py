@@ -10,7 +10,8 @@ handoff ring between the consumers. `--dq-mode separate` runs the dQ fork of the
 (`jagged_fwd.jagged_attention_dq`). Each also runs a broadcast-Q case of 48 query rows: in the fused
 mode a per-program dQ copy and, at D=128, V's slot freed early (`EARLY_V_RELEASE`); in the separate
 mode two heads per tile and fp32 per-sequence partials. The broadcast-Q case runs twice: with GQA 2 (two
-steps per key tile) and with one query head per key head (one step: `jagged_bwd.ONE_STEP_TUNING`).
+steps per key tile) and with one query head per key head (one step: `jagged_bwd.ONE_STEP_TUNING`, whose
+programs keep the query block and its dQ resident, RESIDENT_Q, at both head dims).
 """
 import argparse
 
