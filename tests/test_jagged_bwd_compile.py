@@ -208,9 +208,11 @@ def test_bad_config_raises():
     assert jagged_bwd.resolve_dq_mode(None, deterministic=False) == jagged_bwd.DEFAULT_DQ_MODE
 
 
-def test_early_v_release_only_in_the_fused_d128_step_with_broadcast_q():
-    """Measured faster with broadcast-Q only (one or a few steps per tile), so self-attention keeps one barrier."""
+def test_early_v_release_only_with_broadcast_q_in_the_fused_d128_step_or_resident_q():
+    """Measured faster with broadcast-Q only (one or a few steps per tile), so self-attention keeps one barrier;
+    RESIDENT_Q (one step per tile) frees V after dP at either head dim."""
     assert jagged_bwd.kernel_config(128, BF16, broadcast_q=True, dq_mode=TMA)["EARLY_V_RELEASE"]
+    assert jagged_bwd.kernel_config(64, BF16, broadcast_q=True, dq_mode=TMA, max_queries=64)["EARLY_V_RELEASE"]
     for head_dim, broadcast_q, dq_mode in [(128, False, TMA), (128, True, SEP), (128, True, ATOMIC), (64, True, TMA)]:
         assert not jagged_bwd.kernel_config(head_dim, BF16, broadcast_q=broadcast_q, dq_mode=dq_mode)["EARLY_V_RELEASE"]
 
