@@ -733,23 +733,17 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                      HAS_WINDOW, BROADCAST_Q)
                 if num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, NUM_KV_BUFFERS)
-                    if RESIDENT_Q:  # the tile's V, K and dO in one ring slot; the query block once
+                    if RESIDENT_Q:  # the program's one query block, once
                         if kv_loads == 0:
                             tlx.barrier_expect_bytes(q_fulls[0], Q_BYTES)
                             tlx.async_descriptor_load(desc_q, q_tiles[0], [q_start + first_row, kv_head * HEAD_DIM],
                                                       q_fulls[0])
-                        _load_kv_halves_into(desc_v, v_tiles, kv_slot, v_empties[kv_slot], kv_phase, kv_fulls,
-                                             kv_slot, 2 * CONSUMERS * KV_HALF_BYTES + Q_BYTES, kv_start + col0,
-                                             kv_head, KEYS, HEAD_DIM, CONSUMERS)
-                        _load_kv_halves_into(desc_k, k_tiles, kv_slot, kv_empties[kv_slot], kv_phase, kv_fulls,
-                                             kv_slot, 0, kv_start + col0, kv_head, KEYS, HEAD_DIM, CONSUMERS)
-                        tlx.async_descriptor_load(desc_do, do_tiles[kv_slot],
-                                                  [out_row0 + first_row, kv_head * HEAD_DIM], kv_fulls[kv_slot])
-                    elif EARLY_V_RELEASE:
+                    if EARLY_V_RELEASE:
                         # Separate rings: whichever slot frees first is filled first (V's after the
                         # tile's last dP when the rings are as deep, K's a tile ahead when K's is deeper).
+                        # RESIDENT_Q's dO rides in the K/V slot, on its full barrier.
                         v_slot, v_phase = ring_slot(kv_loads, NUM_V_BUFFERS)
-                        TILE_BYTES: tl.constexpr = 2 * CONSUMERS * KV_HALF_BYTES
+                        TILE_BYTES: tl.constexpr = 2 * CONSUMERS * KV_HALF_BYTES + (Q_BYTES if RESIDENT_Q else 0)
                         if NUM_KV_BUFFERS > NUM_V_BUFFERS:
                             _load_kv_halves_into(desc_k, k_tiles, kv_slot, kv_empties[kv_slot], kv_phase,
                                                  kv_fulls, kv_slot, TILE_BYTES, kv_start + col0, kv_head, KEYS,
@@ -764,6 +758,9 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                             _load_kv_halves_into(desc_k, k_tiles, kv_slot, kv_empties[kv_slot], kv_phase,
                                                  kv_fulls, kv_slot, 0, kv_start + col0, kv_head, KEYS, HEAD_DIM,
                                                  CONSUMERS)
+                        if RESIDENT_Q:
+                            tlx.async_descriptor_load(desc_do, do_tiles[kv_slot],
+                                                      [out_row0 + first_row, kv_head * HEAD_DIM], kv_fulls[kv_slot])
                     else:
                         tlx.barrier_wait(kv_empties[kv_slot], kv_phase ^ 1)
                         tlx.barrier_expect_bytes(kv_fulls[kv_slot], 2 * CONSUMERS * KV_HALF_BYTES)
