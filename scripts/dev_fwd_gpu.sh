@@ -116,9 +116,14 @@ tails = [130, 200, 256, 129, 1]
 tail_offsets = torch.tensor([0] + torch.tensor(tails).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 q2, k2, v2 = (torch.randn(sum(tails), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 half, _ = jagged_fwd.jagged_attention_fwd(q2, k2, v2, tail_offsets, tail_offsets, 256, 256, None, False, None, False)
+# broadcast-Q of 200 rows (two query blocks, head-major): whole blocks through the output stages, the
+# last one partial
+bq = torch.randn(200, 2, 128, device="cuda", dtype=torch.bfloat16)
+head_major, _ = jagged_fwd.jagged_attention_fwd(bq, k2, v2, torch.tensor([0, 200], dtype=torch.int32, device="cuda"),
+                                                tail_offsets, 200, 256, None, False, None, True)
 torch.cuda.synchronize()
-print("sanitizer case ran:", tuple(out.shape), tuple(pma.shape), tuple(half.shape),
-      bool(torch.isfinite(out).all() and torch.isfinite(half).all()))
+print("sanitizer case ran:", tuple(out.shape), tuple(pma.shape), tuple(half.shape), tuple(head_major.shape),
+      bool(torch.isfinite(out).all() and torch.isfinite(half).all() and torch.isfinite(head_major).all()))
 PY
   SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   if [ -n "$SANITIZER" ]; then

@@ -85,6 +85,12 @@ def compiled():
         return dict(zip(CONFIGS, pool.map(_compile, CONFIGS)))
 
 
+def _consumers(cfg) -> int:
+    """The configuration's consumer warpgroups (three with the long-sequence tuning at D=64)."""
+    head_dim, dtype, short_kv, long_seqs = cfg[0], cfg[1], cfg[8], cfg[9]
+    return jagged_fwd.kernel_config(head_dim, dtype, short_kv=short_kv, long_seqs=long_seqs)["NUM_CONSUMERS"]
+
+
 def _count(ptx: str, mnemonic: str) -> int:
     return len(re.findall(rf"^\s*(?:@%p\d+\s+)?{re.escape(mnemonic)}", ptx, flags=re.MULTILINE))
 
@@ -101,8 +107,15 @@ def test_compiles_to_warp_specialized_wgmma(compiled, cfg):
     assert _count(ptx, "mbarrier.arrive") > 0
     assert _count(ptx, "cp.async.bulk.tensor") > 0
     assert shared <= specs.SHARED_BYTES_PER_BLOCK["sm_90"]
-    # The epilogue stores with a row mask, never a whole-tile TMA store.
-    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx
+    # Whole output blocks leave by one TMA store per consumer from shared memory, except in the FP8
+    # fork (bf16 output of one-byte inputs) and entry-major broadcast-Q (two heads per tile here),
+    # which store every block with a row mask.
+    dtype, broadcast_q, heads = cfg[1], cfg[4], cfg[5]
+    stores = _count(ptx, "cp.async.bulk.tensor.2d.global.shared")
+    if dtype == FP8 or (broadcast_q and heads == 2):
+        assert stores == 0
+    else:
+        assert stores == _consumers(cfg) and _count(ptx, "cp.async.bulk.wait_group.read") > 0
 
 
 def test_ptx_instruction_counts_reported(compiled):
@@ -118,7 +131,9 @@ def test_ptx_instruction_counts_reported(compiled):
 # Spill bytes ptxas may report for the benchmark configurations (per thread), almost none of them in
 # the KV loop. At 232 consumer registers and with the row indices formed before the loop, D=128
 # spilled about 2 KB, inside the loop too, and the dense forward ran 13% slower on the H200.
-FORWARD_SPILL_BUDGET_BYTES = 96
+# The TMA-store epilogue (`jagged_fwd._store_output`) keeps a few more tile values in local memory
+# outside the loops: the block-sparse fork's 88 B became 112 B.
+FORWARD_SPILL_BUDGET_BYTES = 112
 # Local loads (and stores) allowed per KV loop body, by configuration; the mask-free loops are clean.
 # The half-tail kernel keeps one loop-carried register in local memory in one consumer's masked edge
 # loop (one LDL and one STL per edge step, a step or two per tile); it was measured with that spill:

@@ -233,11 +233,12 @@ def lse_delta_rows(lse_ptr, delta_ptr, head, out_row0, q_row0, q_len, stride_lse
 @triton.jit
 def store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, head, stride_out_row,
                stride_lse_head, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Masked store of an output tile and its LSE (none when `lse` is None): rows past the sequence
-    end are never written.
+    """Masked store of an output tile and its LSE (either may be None, then not stored): rows past
+    the sequence end are never written.
 
-    A TMA store would write whole tiles and clobber the next sequence's rows, so the jagged
-    epilogue stores from registers with a row mask (out is `[rows, heads, HEAD_DIM]` row-major).
+    A TMA store writes whole boxes: in a block that runs past its sequence's end it would clobber
+    the next sequence's rows, so such blocks store from registers with a row mask (out is
+    `[rows, heads, HEAD_DIM]` row-major).
     The tile's rows are `first_row ..` of its sequence (q_len rows), stored from `out_row0 + row`.
     Row indices are formed here, not by the caller: computed before the KV loop they would stay
     live through it (in the store's layout, several registers per thread) and push it to spill.
@@ -245,8 +246,9 @@ def store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, head, str
     rows = first_row + tl.arange(0, ROWS)
     row_valid = rows < q_len
     out_rows = out_row0 + rows
-    dims = tl.arange(0, HEAD_DIM)
-    row_base = out_rows.to(tl.int64) * stride_out_row + head * HEAD_DIM
-    tl.store(out_ptr + row_base[:, None] + dims[None, :], out, mask=row_valid[:, None])
+    if out is not None:
+        dims = tl.arange(0, HEAD_DIM)
+        row_base = out_rows.to(tl.int64) * stride_out_row + head * HEAD_DIM
+        tl.store(out_ptr + row_base[:, None] + dims[None, :], out, mask=row_valid[:, None])
     if lse is not None:
         tl.store(lse_ptr + head.to(tl.int64) * stride_lse_head + out_rows, lse, mask=row_valid)

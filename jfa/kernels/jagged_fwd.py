@@ -33,7 +33,17 @@ Warp roles of one program (Hopper warp specialization, `tlx.async_tasks`):
 Jagged addressing. q is viewed as a 2-D `[Tq, Hq*D]` tensor and k, v as `[Tk, Hkv*D]`; a TMA box
 is `[rows, D]` at column `head*D`. A box may run past the sequence into the next one (or past the
 tensor end, where TMA fills zeros): those keys are masked to -inf and those query rows are never
-stored, because the epilogue writes from registers with a row mask rather than a TMA store.
+stored.
+
+Epilogue (`_store_output`). A consumer's output block whose 64 rows all lie inside the sequence is
+written to shared memory and leaves by one TMA store; a block that runs past the sequence's end,
+whose box would write the next sequence's rows, is read back from that stage and stored from
+registers with a row mask. The stage is the consumer's Q slot, free once the tile's last QK^T is
+done and released to the producer only after the store has read it (a buffer of its own with
+broadcast-Q, below). Measured against the register store of every block on the H200, same process,
+3 rounds (results/ab-fwd-stage-out-*): PMA q=256 +4.8%, GEM +0.8-7.7% (L=256 s=1 +7.7%), cross
++3-9%, dense D=128 +2.3%, but GEM L=1024 s=0.5 -3.4% and L=2048 s=0.5 -0.9%: jagged lengths where a
+share of the blocks is partial (it was -3.5% too with those blocks kept on the plain register store).
 
 KV loop peeling. Key tiles that no mask can touch (inside the sequence, below the causal diagonal,
 inside the window for every row of the block) run without mask arithmetic; only the first tile and
@@ -48,7 +58,9 @@ share of the work, and is compiled in only when no KV sequence exceeds `HALF_TAI
 
 Broadcast-Q. q is `[q_len, Hq, D]`, shared by every sequence; a tile's Q block is loaded once and
 kept while the program's consecutive tiles have the same (query block, head). Head-major, tiles t
-and t+P share the head and, when P is a multiple of the query blocks per sequence, the block.
+and t+P share the head and, when P is a multiple of the query blocks per sequence, the block; Q then
+changes only with the head, so one Q slot per consumer serves and the output is staged in buffers of
+its own, in the shared memory of the second slot.
 Entry-major (q_len fits one tile), consecutive tiles of a program are an odd distance apart under
 the zigzag deal, so with several head groups the head changes and Q is loaded again: tens of KB per
 tile against the ~1 MB of K/V it streams, and from L2, where the one shared Q stays. Output rows of
@@ -425,7 +437,34 @@ def _consumer_dq_step(q_tile, do_tile, k_tiles, v_tiles, k_fulls, k_empties, v_f
 
 
 @triton.jit
-def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do, out_ptr, lse_ptr,
+def _store_output(out, lse, stage, desc_out, out_ptr, lse_ptr, out_row0, first_row, q_len, head, stride_out_row,
+                  stride_lse_head, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, STAGE_OUT: tl.constexpr):
+    """The epilogue's stores of a consumer's `[ROWS, D]` output block and its LSE.
+
+    With STAGE_OUT a block whose rows all lie inside the sequence goes out by one TMA store from
+    `stage`: the register store would move the block through Triton's layout-change scratch and then
+    queue 16 stores per thread ahead of the next tile's loads (ncu on PMA q=256: its reloads of
+    spilled tile values wait there). The caller waits for the store to have read `stage` before that
+    buffer is written or released again. A block running past the sequence's end, whose box would
+    write the next sequence's rows, keeps the masked register store (`store_rows`)."""
+    if STAGE_OUT:
+        tlx.async_descriptor_store_wait(0)  # the previous output's store has read `stage`
+        tlx.local_store(stage, out)
+        if first_row + ROWS <= q_len:
+            tlx.fence_async_shared()
+            tlx.async_descriptor_store(desc_out, stage, [out_row0 + first_row, head * HEAD_DIM])
+            store_rows(out_ptr, lse_ptr, None, lse, out_row0, first_row, q_len, head, stride_out_row,
+                       stride_lse_head, ROWS, HEAD_DIM)
+        else:
+            store_rows(out_ptr, lse_ptr, tlx.local_load(stage), lse, out_row0, first_row, q_len, head,
+                       stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
+    else:
+        store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, head, stride_out_row, stride_lse_head,
+                   ROWS, HEAD_DIM)
+
+
+@triton.jit
+def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do, desc_out, out_ptr, lse_ptr,
                        q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr,
                        kv_blocks_ptr, kv_block_counts_ptr, sel_q_blocks, stride_out_row, stride_lse_head,
                        num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group,
@@ -448,22 +487,37 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty  # q's dtype, bf16 from FP8 inputs, fp32 dQ partials
     Q_BYTES: tl.constexpr = ROWS * HEAD_DIM * tlx.size_of(dtype)
     Q_SLOT_BYTES: tl.constexpr = Q_BYTES * (2 if DQ else 1)  # the dQ fork loads dO beside Q
+    # The output leaves through shared memory (`_store_output`), in q's dtype: not the FP8 fork's
+    # bf16 output of one-byte inputs, nor the dQ fork's. Its stage is the consumer's Q slot, dead once
+    # the tile's last QK^T is done, or with broadcast-Q, where the Q block is kept for the next tile,
+    # a buffer of its own (OWN_STAGE).
+    # Entry-major broadcast-Q keeps its Q block while the head stays, and has no room for stages of
+    # its own (two heads per tile): it keeps the register store.
+    STAGE_OUT: tl.constexpr = not FP8 and not DQ and not (BROADCAST_Q and ENTRY_MAJOR)
+    OWN_STAGE: tl.constexpr = STAGE_OUT and BROADCAST_Q
+    # Head-major broadcast-Q changes its Q block only when the head changes (every few dozen tiles), so
+    # one Q slot per consumer serves, and the shared memory of the second holds the stages.
+    Q_SLOTS: tl.constexpr = 1 if OWN_STAGE else Q_BUFFERS
 
     num_entries = tl.load(num_entries_ptr)
     num_tiles = num_entries * (num_q_heads // HEADS_PER_TILE)
     first_tile = tl.program_id(0)
     tile_stride = tl.num_programs(0)
 
-    q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
+    q_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_SLOTS * CONSUMERS)
     if DQ:
-        do_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_BUFFERS * CONSUMERS)
+        do_tiles = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_SLOTS * CONSUMERS)
     else:
         do_tiles = q_tiles  # unused
+    if OWN_STAGE:
+        out_stages = tlx.local_alloc((ROWS, HEAD_DIM), dtype, CONSUMERS)
+    else:
+        out_stages = q_tiles  # the consumer's Q slot
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
     v_tiles = tlx.local_alloc((HEAD_DIM, BLOCK_N) if FP8 else (BLOCK_N, HEAD_DIM), dtype,
                               NUM_KV_BUFFERS * HEADS_PER_TILE)
-    q_fulls = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
-    q_empties = tlx.alloc_barriers(num_barriers=Q_BUFFERS * CONSUMERS, arrive_count=1)
+    q_fulls = tlx.alloc_barriers(num_barriers=Q_SLOTS * CONSUMERS, arrive_count=1)
+    q_empties = tlx.alloc_barriers(num_barriers=Q_SLOTS * CONSUMERS, arrive_count=1)
     k_fulls = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS * HEADS_PER_TILE, arrive_count=1)
     k_empties = tlx.alloc_barriers(num_barriers=NUM_KV_BUFFERS * HEADS_PER_TILE,
                                    arrive_count=KV_READERS)
@@ -488,7 +542,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                      SEL_WIDTH, FP8, DQ)
                 if num_kv_tiles > 0:
                     if q_key != loaded_q_key:
-                        q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
+                        q_slot, q_phase = ring_slot(q_loads, Q_SLOTS)
                         for c in tl.static_range(CONSUMERS):
                             buf = q_slot * CONSUMERS + c
                             tlx.barrier_wait(q_empties[buf], q_phase ^ 1)
@@ -552,14 +606,16 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                         # Release the previous Q only now: with two Q buffers the producer has
                         # already been able to prefetch this one.
                         if q_loads > 0:
-                            prev_slot, _ = ring_slot(q_loads - 1, Q_BUFFERS)
+                            if STAGE_OUT:  # the previous output's TMA store has read its stage
+                                tlx.async_descriptor_store_wait(0)
+                            prev_slot, _ = ring_slot(q_loads - 1, Q_SLOTS)
                             tlx.barrier_arrive(q_empties[prev_slot * CONSUMERS + cid], 1)
-                        q_slot, q_phase = ring_slot(q_loads, Q_BUFFERS)
+                        q_slot, q_phase = ring_slot(q_loads, Q_SLOTS)
                         tlx.barrier_wait(q_fulls[q_slot * CONSUMERS + cid], q_phase)
                         q_loads += 1
                         loaded_q_key = q_key
-                    q_tile = q_tiles[((q_loads - 1) % Q_BUFFERS) * CONSUMERS + cid]
-                    do_tile = do_tiles[((q_loads - 1) % Q_BUFFERS) * CONSUMERS + cid]
+                    q_tile = q_tiles[((q_loads - 1) % Q_SLOTS) * CONSUMERS + cid]
+                    do_tile = do_tiles[((q_loads - 1) % Q_SLOTS) * CONSUMERS + cid]
 
                     # Peeled first KV tile: QK^T (dQ fork: S and dP) only, with no P·V (dS K) before it.
                     first_key = _key_tile_col(0, first_col, selected, BLOCK_N, BLOCK_SPARSE)
@@ -639,8 +695,12 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                                    my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
                     else:
                         out, lse = finalize_rows(acc, m_i, l_i, out_dtype)
-                        store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, my_head,
-                                   stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
+                        if OWN_STAGE:
+                            stage = out_stages[cid]
+                        else:
+                            stage = q_tile
+                        _store_output(out, lse, stage, desc_out, out_ptr, lse_ptr, out_row0, first_row, q_len,
+                                      my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM, STAGE_OUT)
                 elif DQ:  # the block sees no key at all: dQ 0
                     store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], out_dtype), None, out_row0,
                                first_row, q_len, my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
@@ -648,6 +708,8 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                     store_rows(out_ptr, lse_ptr, tl.zeros([ROWS, HEAD_DIM], out_dtype),
                                tl.full([ROWS], float("-inf"), tl.float32), out_row0, first_row,
                                q_len, my_head, stride_out_row, stride_lse_head, ROWS, HEAD_DIM)
+            if STAGE_OUT:  # shared memory must outlive the last output's TMA store
+                tlx.async_descriptor_store_wait(0)
 
 
 _SIGNATURE_AFTER_OUT = dict(
@@ -754,10 +816,13 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
     signature = dict(desc_q=rows_box, desc_k=kv_box,
                      desc_v=f"tensordesc<{name}[{head_dim}, {constexprs['BLOCK_N']}]>" if fp8 else kv_box,
                      desc_k_tail=tail_box, desc_v_tail=tail_box, desc_do=rows_box if dq else "constexpr",
+                     desc_out="constexpr" if dq or fp8 else rows_box,
                      out_ptr=f"*{out_name}", **_SIGNATURE_AFTER_OUT,
                      delta_ptr="*fp32" if dq else "constexpr", stride_delta_head="i32")
     if not dq:  # launched with None there
         constexprs = constexprs | dict(desc_do=None, delta_ptr=None)
+    if dq or fp8:
+        constexprs = constexprs | dict(desc_out=None)
     if selection_width:
         signature.update(kv_blocks_ptr="*i32", kv_block_counts_ptr="*i32")
     else:  # launched with None there: compile-time constants
@@ -928,6 +993,7 @@ def _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len
         _rows_descriptor(k, config["BLOCK_N"]), desc_v,
         _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(k if fp8 else v, config["BLOCK_N"] // 2),
         _rows_descriptor(dout, ROWS_PER_CONSUMER.value) if dq else None,
+        None if dq or fp8 else _rows_descriptor(out, ROWS_PER_CONSUMER.value),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if selection is None else selection.blocks,
         None if selection is None else selection.counts,
