@@ -441,12 +441,14 @@ def _store_output(out, lse, stage, desc_out, out_ptr, lse_ptr, out_row0, first_r
                   stride_lse_head, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, STAGE_OUT: tl.constexpr):
     """The epilogue's stores of a consumer's `[ROWS, D]` output block and its LSE.
 
-    With STAGE_OUT a block whose rows all lie inside the sequence goes out by one TMA store from
-    `stage`: the register store would move the block through Triton's layout-change scratch and then
-    queue 16 stores per thread ahead of the next tile's loads (ncu on PMA q=256: its reloads of
-    spilled tile values wait there). The caller waits for the store to have read `stage` before that
-    buffer is written or released again. A block running past the sequence's end, whose box would
-    write the next sequence's rows, keeps the masked register store (`store_rows`)."""
+    With STAGE_OUT the block is first written to `stage` (the consumer's Q slot, or with head-major
+    broadcast-Q a stage of its own). A block whose rows all lie inside the sequence then leaves by one
+    TMA store; one that runs past the sequence's end, whose box would write the next sequence's rows,
+    is read back in a row-major layout for the masked register store (`store_rows`). Either way the
+    layout change goes through `stage` instead of Triton's 16.5 KB scratch, and a whole block no longer
+    queues 16 stores per thread ahead of the next tile's loads (ncu on PMA q=256: reloads of spilled
+    tile values waited behind them). The store has read `stage` before it is written again (the wait
+    here) and before a Q slot goes back to the producer (the caller's wait)."""
     if STAGE_OUT:
         tlx.async_descriptor_store_wait(0)  # the previous output's store has read `stage`
         tlx.local_store(stage, out)
