@@ -491,14 +491,13 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
     Q_SLOT_BYTES: tl.constexpr = Q_BYTES * (2 if DQ else 1)  # the dQ fork loads dO beside Q
     # The output leaves through shared memory (`_store_output`), in q's dtype: not the FP8 fork's
     # bf16 output of one-byte inputs, nor the dQ fork's. Its stage is the consumer's Q slot, dead once
-    # the tile's last QK^T is done, or with broadcast-Q, where the Q block is kept for the next tile,
-    # a buffer of its own (OWN_STAGE).
-    # Entry-major broadcast-Q keeps its Q block while the head stays, and has no room for stages of
-    # its own (two heads per tile): it keeps the register store.
+    # the tile's last QK^T is done. Head-major broadcast-Q keeps its Q block for the next tile and
+    # changes it only with the head (every few dozen tiles): one Q slot per consumer serves there, and
+    # the shared memory of the second holds stages of its own (OWN_STAGE). Entry-major broadcast-Q
+    # keeps its Q block while the head stays and has no room for stages (two heads per tile): it keeps
+    # the register store.
     STAGE_OUT: tl.constexpr = not FP8 and not DQ and not (BROADCAST_Q and ENTRY_MAJOR)
     OWN_STAGE: tl.constexpr = STAGE_OUT and BROADCAST_Q
-    # Head-major broadcast-Q changes its Q block only when the head changes (every few dozen tiles), so
-    # one Q slot per consumer serves, and the shared memory of the second holds the stages.
     Q_SLOTS: tl.constexpr = 1 if OWN_STAGE else Q_BUFFERS
 
     num_entries = tl.load(num_entries_ptr)
@@ -514,7 +513,7 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
     if OWN_STAGE:
         out_stages = tlx.local_alloc((ROWS, HEAD_DIM), dtype, CONSUMERS)
     else:
-        out_stages = q_tiles  # the consumer's Q slot
+        out_stages = q_tiles  # unused: the stage is the consumer's Q slot
     k_tiles = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_KV_BUFFERS * HEADS_PER_TILE)
     v_tiles = tlx.local_alloc((HEAD_DIM, BLOCK_N) if FP8 else (BLOCK_N, HEAD_DIM), dtype,
                               NUM_KV_BUFFERS * HEADS_PER_TILE)
