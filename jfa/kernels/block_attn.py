@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from jfa.kernels.common import LOG2E, ring_slot
+from jfa.kernels.common import LOG2E, ring_slot, rows_descriptor
 from jfa.schedule import build_block_table
 from jfa.specs import BLOCK_ATTENTION_BLOCK
 
@@ -364,13 +364,8 @@ def is_supported(q: torch.Tensor) -> bool:
 
 
 def _row_descriptor(t: torch.Tensor):
-    """TMA descriptor over a packed [T, H, D] tensor seen as [T, H*D], one box = 64 rows of one head."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    rows, heads, head_dim = t.shape
-    flat = t.reshape(rows, heads * head_dim)
-    return TensorDescriptor(flat, shape=list(flat.shape), strides=[heads * head_dim, 1],
-                            block_shape=[BLOCK_ATTENTION_BLOCK, head_dim])
+    """TMA descriptor over a packed [T, H, D] tensor seen as [T, H*D], one box = one block's rows of one head."""
+    return rows_descriptor(t, BLOCK_ATTENTION_BLOCK)
 
 
 def _num_programs(device: torch.device, max_units: int) -> int:

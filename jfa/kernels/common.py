@@ -22,10 +22,14 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
 - `lse_delta_rows`: a query block's LSE and Delta, the backward's per-row terms.
 - `finalize_rows`: the epilogue math: normalize by the row sum and form the natural-log LSE, with the
   "row saw no key" case giving 0 and -inf.
+- `rows_descriptor` (host side): the TMA view of a packed `[T, H, D]` tensor that the kernels' boxes
+  of one head's rows are cut from.
 """
+import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in exp2: e^x = 2^(x*log2 e)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # back to natural log for the LSE
@@ -252,3 +256,21 @@ def store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, head, str
         tl.store(out_ptr + row_base[:, None] + dims[None, :], out, mask=row_valid[:, None])
     if lse is not None:
         tl.store(lse_ptr + head.to(tl.int64) * stride_lse_head + out_rows, lse, mask=row_valid)
+
+
+def rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None) -> TensorDescriptor:
+    """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`; one box = `box_rows` rows of one head
+    (or `box_cols` of its columns), at column `head * D`.
+
+    The row stride is the tensor's own, so a view of a buffer with padding rows around it (the gpu
+    tests' poisoned outputs) or between rows is addressed as the register stores address it. Heads
+    and head dim must be contiguous within a row: the `[T, H*D]` view depends on it.
+    """
+    rows, heads, dim = t.shape
+    if t.stride(2) != 1 or (heads > 1 and t.stride(1) != dim):
+        raise ValueError(f"a TMA view of a [T, H, D] tensor needs each row's heads and head dim contiguous "
+                         f"(strides (row, {dim}, 1)), got strides {tuple(t.stride())} for shape {tuple(t.shape)}: "
+                         "pass a tensor with contiguous rows (.contiguous())")
+    row_stride = t.stride(0) if rows > 1 else heads * dim
+    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[row_stride, 1],
+                            block_shape=[box_rows, box_cols or dim])

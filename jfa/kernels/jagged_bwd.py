@@ -60,12 +60,12 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.kernels import jagged_fwd
 from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, lse_delta_rows,
-                                per_step, ring_slot, sequence_rows, visible_key_range, visible_mask)
+                                per_step, ring_slot, rows_descriptor, sequence_rows, visible_key_range,
+                                visible_mask)
 from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
@@ -156,16 +156,16 @@ FUSED_DQ_TUNING = {128: dict(NUM_KV_BUFFERS=1, DQ_SPLIT=True)}  # overrides of T
 # PMA q=64 1.07x, q=256 1.04x; but dense D=128 0.985x and GEM 0.95-1.01x (L=1024 s=1 0.95x), where a
 # tile runs 8 or more steps, so self-attention keeps one barrier.
 # ONE_STEP_TUNING (the tma_reduce mode with broadcast-Q where every key tile runs one step: a
-# broadcast query of at most BLOCK_M rows, one query head per key head): RESIDENT_Q. A program's tiles all have one key head
-# (the grid is a multiple of the heads), so they all run the same query block: Q is loaded once, and
-# dQ is summed in registers over the program's tiles and stored once, into the program's own partial
-# (`_consumer_resident_q_step`). The per-tile dQ staging and reduce-add, the Q/dO ring and the
-# consumers' dS meeting are gone, and the shared memory they took holds a second V slot and a dO per
-# K/V slot, so a tile's K, V and dO all land a tile ahead. Measured on the H200 against two K slots,
-# one V and one Q/dO (the reduce-add per tile), whole backward, same process, 3 rounds
-# (results/ab-bwd-resident-q-*): PMA q=64 1.40x (190 -> 267 TFLOP/s); PMA q=256 (4 steps) unchanged.
-# At D=64 it replaces the S^T step with the dQ handoff; its slots are half as large, so four of K, V
-# and dO fit, and nothing spills: PMA q=64 at D=64 (8 heads) 1.16x (189 -> 219 TFLOP/s,
+# broadcast query of at most BLOCK_M rows, one query head per key head): RESIDENT_Q. A program's tiles
+# all have one key head (the grid is a multiple of the heads), so they all run the same query block: Q
+# is loaded once, and dQ is summed in registers over the program's tiles and stored once, into the
+# program's own partial (`_consumer_resident_q_step`). The per-tile dQ staging and reduce-add, the
+# Q/dO ring and the consumers' dS meeting are gone, and the shared memory they took holds a second V
+# slot and a dO per K/V slot, so a tile's K, V and dO all land a tile ahead. Measured on the H200
+# against two K slots, one V and one Q/dO (the reduce-add per tile), whole backward, same process, 3
+# rounds (results/ab-bwd-resident-q-*): PMA q=64 1.40x (190 -> 267 TFLOP/s); PMA q=256 (4 steps)
+# unchanged. At D=64 it replaces the S^T step with the dQ handoff; its slots are half as large, so
+# four of K, V and dO fit, and nothing spills: PMA q=64 at D=64 (8 heads) 1.16x (189 -> 219 TFLOP/s,
 # results/ab-bwd-resident-q-d64-*). Both need V's own empty barrier (EARLY_V_RELEASE), freed after dP.
 ONE_STEP_TUNING = {128: dict(NUM_KV_BUFFERS=2, NUM_V_BUFFERS=2, NUM_Q_BUFFERS=1, RESIDENT_Q=True),
                    64: dict(NUM_KV_BUFFERS=4, NUM_V_BUFFERS=4, NUM_Q_BUFFERS=1, RESIDENT_Q=True, EARLY_V_RELEASE=True,
@@ -1199,14 +1199,6 @@ def is_supported(q: torch.Tensor) -> bool:
             and q.dtype in specs.SUPPORTED_DTYPES and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
 
 
-def _rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None) -> TensorDescriptor:
-    """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`, one box = `box_rows` rows of one head
-    (or of `box_cols` of its columns)."""
-    rows, heads, dim = t.shape
-    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[heads * dim, 1],
-                            block_shape=[box_rows, box_cols or dim])
-
-
 def compute_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """Delta = rowsum(O * dO) in fp32, `[Hq, Tq_out]` like the LSE (one small Triton kernel)."""
     rows, heads, head_dim = out.shape
@@ -1287,9 +1279,9 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
         dq_accum = torch.empty((1, config["BLOCK_M"], 1, head_dim), dtype=torch.float32, device=q.device)
     qk_scale_log2 = sm_scale * LOG2E.value
     _jagged_bwd_kernel[grid](
-        _rows_descriptor(q, config["BLOCK_M"]), _rows_descriptor(k, config["BLOCK_N"] // NUM_CONSUMERS.value),
-        _rows_descriptor(v, config["BLOCK_N"] // NUM_CONSUMERS.value), _rows_descriptor(dout, config["BLOCK_M"]),
-        _rows_descriptor(dq_accum.flatten(0, 1), config["BLOCK_M"],
+        rows_descriptor(q, config["BLOCK_M"]), rows_descriptor(k, config["BLOCK_N"] // NUM_CONSUMERS.value),
+        rows_descriptor(v, config["BLOCK_N"] // NUM_CONSUMERS.value), rows_descriptor(dout, config["BLOCK_M"]),
+        rows_descriptor(dq_accum.flatten(0, 1), config["BLOCK_M"],
                          head_dim // NUM_CONSUMERS.value if _dq_in_halves(config) else None),
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if by_key_block is None else by_key_block.blocks, None if by_key_block is None else by_key_block.counts,

@@ -86,8 +86,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from jfa import specs
 from jfa.fp8 import transposed_value_layout
 from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, lse_delta_rows, online_softmax_step,
-                                pingpong_enter, pingpong_exit, pingpong_start, ring_slot, sequence_rows, store_rows,
-                                visible_key_range, visible_mask, zigzag_tile, zigzag_turns)
+                                pingpong_enter, pingpong_exit, pingpong_start, ring_slot, rows_descriptor,
+                                sequence_rows, store_rows, visible_key_range, visible_mask, zigzag_tile,
+                                zigzag_turns)
 from jfa.schedule import build_tile_schedule
 
 NUM_Q_BUFFERS = 2  # the next tile's Q lands while this one computes (Q_BUFFERS, unless a tuning says otherwise)
@@ -857,13 +858,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _rows_descriptor(t: torch.Tensor, box_rows: int) -> TensorDescriptor:
-    """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`, one box = `box_rows` rows of one head."""
-    rows, heads, dim = t.shape
-    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[heads * dim, 1],
-                            block_shape=[box_rows, dim])
-
-
 @triton.jit
 def _transpose_values_kernel(v_ptr, source_key_ptr, v_t_ptr, channels, width,
                              BLOCK_COLS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr):
@@ -988,13 +982,13 @@ def _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len
         desc_v = TensorDescriptor(v_t, shape=list(v_t.shape), strides=[v_t.shape[1], 1],
                                   block_shape=[head_dim, config["BLOCK_N"]])
     else:
-        desc_v = _rows_descriptor(v, config["BLOCK_N"])
+        desc_v = rows_descriptor(v, config["BLOCK_N"])
     _jagged_fwd_kernel[grid](
-        _rows_descriptor(q, ROWS_PER_CONSUMER.value),
-        _rows_descriptor(k, config["BLOCK_N"]), desc_v,
-        _rows_descriptor(k, config["BLOCK_N"] // 2), _rows_descriptor(k if fp8 else v, config["BLOCK_N"] // 2),
-        _rows_descriptor(dout, ROWS_PER_CONSUMER.value) if dq else None,
-        None if dq or fp8 else _rows_descriptor(out, ROWS_PER_CONSUMER.value),
+        rows_descriptor(q, ROWS_PER_CONSUMER.value),
+        rows_descriptor(k, config["BLOCK_N"]), desc_v,
+        rows_descriptor(k, config["BLOCK_N"] // 2), rows_descriptor(k if fp8 else v, config["BLOCK_N"] // 2),
+        rows_descriptor(dout, ROWS_PER_CONSUMER.value) if dq else None,
+        None if dq or fp8 else rows_descriptor(out, ROWS_PER_CONSUMER.value),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries,
         None if selection is None else selection.blocks,
         None if selection is None else selection.counts,

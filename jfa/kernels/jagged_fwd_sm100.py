@@ -32,9 +32,10 @@ import triton.language as tl
 import triton.language.extra.tlx as tlx
 
 from jfa import specs
-from jfa.kernels.common import LOG2E, finalize_rows, online_softmax_step, ring_slot, store_rows, visible_mask
-from jfa.kernels.jagged_fwd import (_SIGNATURE_AFTER_OUT, _TRITON_DTYPE_NAMES, _num_sms,
-                                    _produce_kv_tile, _rows_descriptor, _tile_geometry, _tile_loop)
+from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, ring_slot, rows_descriptor, store_rows,
+                                visible_mask)
+from jfa.kernels.jagged_fwd import (_SIGNATURE_AFTER_OUT, _TRITON_DTYPE_NAMES, _num_sms, _produce_kv_tile,
+                                    _tile_geometry, _tile_loop)
 from jfa.schedule import build_tile_schedule
 
 BLOCK_M: tl.constexpr = tl.constexpr(128)  # query rows per tile: one per TMEM lane
@@ -216,7 +217,7 @@ def jagged_attention_fwd_sm100(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
                                    max_seq_len_kv=max_seq_len_kv)
     grid = (max(1, min(_num_sms(q.device), schedule.max_entries * q_heads)),)
     _jagged_fwd_sm100_kernel[grid](
-        _rows_descriptor(q, BLOCK_M.value), _rows_descriptor(k, BLOCK_N), _rows_descriptor(v, BLOCK_N),
+        rows_descriptor(q, BLOCK_M.value), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries, out.stride(0), lse.stride(0),
         q_heads, schedule.q_blocks_per_seq, q_len, 0 if window is None else window, q_heads // k.shape[1],
         sm_scale * LOG2E.value, num_warps=SOFTMAX_WARPS, num_stages=NUM_STAGES, **config)
