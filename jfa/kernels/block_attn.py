@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from jfa.kernels.common import LOG2E, ring_slot, rows_descriptor
+from jfa.kernels.common import LOG2E, num_sms, ring_slot, rows_descriptor, sm_major
 from jfa.schedule import build_block_table
 from jfa.specs import BLOCK_ATTENTION_BLOCK
 
@@ -360,7 +360,7 @@ def is_supported(q: torch.Tensor) -> bool:
     """True where these kernels run: a CUDA tensor on a Hopper (sm_90) GPU, bf16/fp16, D 64 or 128."""
     if not (q.is_cuda and q.dtype in _TRITON_DTYPE_NAMES and q.dim() == 3 and q.shape[-1] in (64, 128)):
         return False
-    return torch.cuda.get_device_capability(q.device)[0] == 9
+    return sm_major(q.device) == 9
 
 
 def _row_descriptor(t: torch.Tensor):
@@ -370,7 +370,7 @@ def _row_descriptor(t: torch.Tensor):
 
 def _num_programs(device: torch.device, max_units: int) -> int:
     """One persistent program per SM, fewer when there is less work than SMs."""
-    return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, max_units))
+    return max(1, min(num_sms(device), max_units))
 
 
 def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,

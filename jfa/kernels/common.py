@@ -24,7 +24,10 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
   "row saw no key" case giving 0 and -inf.
 - `rows_descriptor` (host side): the TMA view of a packed `[T, H, D]` tensor that the kernels' boxes
   of one head's rows are cut from.
+- `sm_major` / `num_sms` (host side): the GPU facts every launch asks for, read once per device.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -274,3 +277,20 @@ def rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None)
     row_stride = t.stride(0) if rows > 1 else heads * dim
     return TensorDescriptor(t, shape=[rows, heads * dim], strides=[row_stride, 1],
                             block_shape=[box_rows, box_cols or dim])
+
+
+@functools.lru_cache(maxsize=None)
+def _device_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+# A device's properties never change in a process, and torch's own query costs several µs per call,
+# twice that in a backward (autograd runs it on its device thread): read them once per device.
+def sm_major(device: torch.device) -> int:
+    """The major compute capability of a CUDA device (9 for Hopper)."""
+    return _device_properties(device.index).major
+
+
+def num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device: one persistent program each."""
+    return _device_properties(device.index).multi_processor_count

@@ -64,8 +64,8 @@ import triton.language.extra.tlx as tlx
 from jfa import specs
 from jfa.kernels import jagged_fwd
 from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, lse_delta_rows,
-                                per_step, ring_slot, rows_descriptor, sequence_rows, visible_key_range,
-                                visible_mask)
+                                num_sms, per_step, ring_slot, rows_descriptor, sequence_rows, sm_major,
+                                visible_key_range, visible_mask)
 from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
@@ -1195,7 +1195,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_s
 
 def is_supported(q: torch.Tensor) -> bool:
     """True when this kernel can run q's problem here: a Hopper GPU, a supported dtype and head_dim."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (q.is_cuda and sm_major(q.device) == 9
             and q.dtype in specs.SUPPORTED_DTYPES and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
 
 
@@ -1226,14 +1226,14 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     """
     num_seqs = kv_offsets.numel() - 1
     q_heads, head_dim = q.shape[1], q.shape[2]
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    programs = num_sms(q.device)
     kv_heads = k.shape[1]
     broadcast_q_len = q.shape[0] if broadcast_q else 0
     # RESIDENT_Q needs only the shared query's rows, which broadcast-Q knows without a sync.
     resident_q = broadcast_q and kernel_config(head_dim, q.dtype, broadcast_q=True, dq_mode="tma_reduce",
                                                max_queries=broadcast_q_len, gqa_group=q_heads // kv_heads)["RESIDENT_Q"]
     dq_mode = resolve_dq_mode(dq_mode, deterministic, batch_dq_mode(
-        head_dim, q.shape[0], k.shape[0], num_seqs, num_sms, causal, broadcast_q, selection is not None), resident_q)
+        head_dim, q.shape[0], k.shape[0], num_seqs, programs, causal, broadcast_q, selection is not None), resident_q)
     if grads is None:
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq, dk, dv = grads
@@ -1265,7 +1265,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
                                       max_seq_len_q=max_seq_len_q)
     max_tiles = schedule.max_entries * kv_heads
     resident_q = config["RESIDENT_Q"]
-    grid = (resident_q_grid(num_sms, kv_heads, max_tiles) if resident_q else max(1, min(num_sms, max_tiles)),)
+    grid = (resident_q_grid(programs, kv_heads, max_tiles) if resident_q else max(1, min(programs, max_tiles)),)
     row_width = q_heads * head_dim
     # fp32 dQ accumulator: one copy per program with broadcast-Q (summed below), else one shared.
     partials = grid[0] if (broadcast_q and fused_dq) else 1

@@ -85,9 +85,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.fp8 import transposed_value_layout
-from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, lse_delta_rows, online_softmax_step,
+from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, lse_delta_rows, num_sms, online_softmax_step,
                                 pingpong_enter, pingpong_exit, pingpong_start, ring_slot, rows_descriptor,
-                                sequence_rows, store_rows, visible_key_range, visible_mask, zigzag_tile,
+                                sequence_rows, sm_major, store_rows, visible_key_range, visible_mask, zigzag_tile,
                                 zigzag_turns)
 from jfa.schedule import build_tile_schedule
 
@@ -840,7 +840,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
 
 def is_supported(q: torch.Tensor) -> bool:
     """True when this kernel can run q's problem here: a Hopper GPU, a supported dtype and head_dim."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (q.is_cuda and sm_major(q.device) == 9
             and q.dtype in specs.SUPPORTED_DTYPES + (FP8_DTYPE,) and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
 
 
@@ -852,10 +852,6 @@ def is_short_kv(total_keys: int, num_seqs: int) -> bool:
 def is_long(total_rows: int, total_keys: int, num_seqs: int) -> bool:
     """True when query rows and keys both average at least LONG_MEAN_LEN per sequence (LONG_TUNING applies)."""
     return min(total_rows, total_keys) >= LONG_MEAN_LEN * num_seqs
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -976,7 +972,7 @@ def _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len
                                        max_seq_len_kv=max_seq_len_kv)
     config["ENTRY_MAJOR"] = schedule.q_blocks_per_seq == 1
     max_tiles = schedule.max_entries * (q_heads // pairing)
-    grid = (max(1, min(_num_sms(q.device), max_tiles)),)
+    grid = (max(1, min(num_sms(q.device), max_tiles)),)
     if fp8:  # a 2-D v is V^T already (`jfa.fp8.transpose_values`)
         v_t = v if v.ndim == 2 else transposed_values(v, kv_offsets)
         desc_v = TensorDescriptor(v_t, shape=list(v_t.shape), strides=[v_t.shape[1], 1],
