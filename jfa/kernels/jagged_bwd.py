@@ -132,7 +132,10 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # arithmetic (masked blocks, bulk, masked blocks). At D=64, where the dK/dV kernel's elementwise work
 # sets its pace, that compiles without spills and made the whole backward 14-43% faster; at D=128 the
 # extra loops made ptxas reload spilled values in every loop (0.92-1.00x), so D=128 keeps the one
-# masked loop (results/bwd-mask-free-bulk-ab-*).
+# masked loop (results/bwd-mask-free-bulk-ab-*). The fused D=128 step (DQ_SPLIT) compiles its bulk loop
+# without reloads, in 481 instructions a step against the masked loop's 575, yet ran level or slower
+# against the masked loop alone (dense 1.000x, GEM 0.99-1.01x, PMA q=256 0.970x, causal 0.99-1.01x;
+# results/ab-bwd-split-bulk-*): its step is not paced by its elementwise instructions.
 # DQ_HANDOFF_BUFFERS (tma_reduce only): > 0 makes consumer 1 hand its dQ piece to consumer 0 through
 # a ring of that many fp32 stages, and consumer 0 reduce-adds the sum: half the global adds, which
 # cost 6-10% of the backward (results/bwd-dq-reduce-cost-*). At D=64 (2 x 16 KB more shared memory)
