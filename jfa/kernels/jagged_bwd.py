@@ -516,9 +516,9 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     tlx.fence_async_shared()
     tlx.async_descriptor_store(desc_dq, dq_stage, [dq_row0 + q_start + q_row0, head * HEAD_DIM + cid * HALF_D],
                                store_reduce="add")
-    # Waiting here keeps the next step's S and dP behind an idle moment of the tensor cores. Leaving dK in
-    # flight into the next step instead (its Q slot freed there, once S is done) ran 0.94x dense and
-    # 0.96-0.97x on the fused GEM shapes: the producer got the slot back later (results/ab-bwd-defer-dk-wait-*).
+    # dK is waited for here, before the next step issues S and dP. Leaving it in flight into the next step
+    # (its Q slot freed there, once S is done) ran 0.94x dense and 0.96-0.97x on the fused GEM shapes,
+    # likely because the producer got the slot back later (results/ab-bwd-defer-dk-wait-*).
     dv = tlx.async_dot_wait(0, dv)
     dk = tlx.async_dot_wait(0, dk)
     return dk, dv, next_lse_log2, next_delta
