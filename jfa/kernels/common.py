@@ -279,13 +279,13 @@ def rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None)
                             block_shape=[box_rows, box_cols or dim])
 
 
+# A device's properties never change in a process, and torch's own query costs several µs per call,
+# more in a backward (autograd runs it on its device thread): read them once per device.
 @functools.lru_cache(maxsize=None)
 def _device_properties(index: int):
     return torch.cuda.get_device_properties(index)
 
 
-# A device's properties never change in a process, and torch's own query costs several µs per call,
-# twice that in a backward (autograd runs it on its device thread): read them once per device.
 def sm_major(device: torch.device) -> int:
     """The major compute capability of a CUDA device (9 for Hopper)."""
     return _device_properties(device.index).major
