@@ -50,10 +50,9 @@ def _per_call(call, calls: int) -> dict:
 
 
 def _passes(run, grad_out) -> dict:
-    """The forward, and the forward + backward with autograd's device threads on and off."""
-    def fwd_bwd():
-        torch.autograd.grad(run.forward(), run.grad_inputs, grad_out, allow_unused=True)
-
+    """The forward, and the forward + backward (the benchmark's own step) with autograd's device
+    threads on and off."""
+    fwd_bwd = bench._backward_step(run, grad_out)
     result = dict(fwd=_per_call(run.forward, CALLS["fwd"]), fwd_bwd=_per_call(fwd_bwd, CALLS["fwd_bwd"]))
     with torch.autograd.set_multithreading_enabled(False):
         result["fwd_bwd_caller_thread"] = _per_call(fwd_bwd, CALLS["fwd_bwd"])
