@@ -143,7 +143,11 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # (results/ab-bwd-dq-handoff-*). At D=128 (one slot, in the stage consumer 1 no longer needed, 224 KB)
 # it ran 0.74-0.83x the separate mode, no better than without it (results/bwd-dq-modes-d128-variants-*).
 # DQ_SPLIT (tma_reduce only): the step in FlashAttention-3's orientation, `_consumer_q_step_split_dq`;
-# at D=128 the other orientation spills (see FUSED_DQ_MIN_MEAN_QUERIES for the measurements).
+# at D=128 the other orientation spills (see FUSED_DQ_MIN_MEAN_QUERIES for the measurements). With dQ
+# split by head dimension too (FlashAttention-4's Hopper step: S^T and dP^T, so dV and dK read P^T and
+# dS^T from registers and no P is staged) it ran dense 0.91x, GEM 0.92-0.96x with dP^T issued after
+# P^T and no reloads (results/ab-bwd-fused-transposed-*), and 0.69x, 0.82-0.87x with S^T and dP^T
+# issued together, where ptxas reloads 8-10 values a step (results/ab-bwd-split-t-*).
 TUNING = {
     64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True,
              DQ_HANDOFF_BUFFERS=2, DQ_SPLIT=False),
@@ -511,6 +515,9 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     dq = tlx.async_dot_wait(1, dq)
     # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
     # clips rows past the tensor end.
+    # Handing the staged piece to the producer instead (each thread stores and arrives on its own; the
+    # producer issues the reduce-add, like FlashAttention-3's dQ writer warp) saved this warpgroup barrier
+    # and 18 instructions a step but ran level: dense 0.98-1.00x, GEM 0.96-1.04x (results/ab-bwd-producer-adds-dq-*).
     tlx.async_descriptor_store_wait(0)  # the previous reduce has read the staging buffer
     tlx.local_store(dq_stage, dq * sm_scale)
     tlx.fence_async_shared()
