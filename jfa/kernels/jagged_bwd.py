@@ -513,15 +513,15 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     # dK goes last, so the dQ store below runs while it does: wait for every group but dK's.
     dk = tlx.async_dot(tlx.local_trans(ds_stage), q_tile, dk)
     dq = tlx.async_dot_wait(1, dq)
-    # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
-    # clips rows past the tensor end.
     # Handing the staged piece to the producer instead (each thread stores and arrives on its own; the
     # producer issues the reduce-add, like FlashAttention-3's dQ writer warp) saved this warpgroup barrier
     # and 18 instructions a step but ran level: dense 0.98-1.00x, GEM 0.96-1.04x (results/ab-bwd-producer-adds-dq-*).
     # These stores are 2-way bank conflicted (a half-warp writes four 128-byte rows, which the swizzle
-    # spreads over half the banks): 67M of the dense backward's 810M shared-memory wavefronts, and that
+    # spreads over half the banks): 67M of the dense backward's 823M shared-memory wavefronts, and that
     # pipe sets the pace (results/ncu-bwd-d128-smem-*). Staged as eight [64, 8] boxes instead (32-byte
     # rows, no conflicts), the eight narrow reduce-adds cost far more: 0.76x (results/ab-bwd-dq-box32-*).
+    # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
+    # clips rows past the tensor end.
     tlx.async_descriptor_store_wait(0)  # the previous reduce has read the staging buffer
     tlx.local_store(dq_stage, dq * sm_scale)
     tlx.fence_async_shared()
