@@ -80,8 +80,7 @@ def _why_not_kernel(module_name: str, q: Tensor, *others: Tensor, dtypes=specs.S
 
 def _kernel_offsets(q: Tensor, q_offsets: Tensor, kv_offsets: Tensor) -> tuple[Tensor, Tensor]:
     """The offsets as the kernels read them: int32 on q's device (copied without a host wait)."""
-    return tuple(o if o.dtype == torch.int32 and o.device == q.device
-                 else o.to(device=q.device, dtype=torch.int32, non_blocking=True) for o in (q_offsets, kv_offsets))
+    return tuple(o.to(device=q.device, dtype=torch.int32, non_blocking=True) for o in (q_offsets, kv_offsets))
 
 
 def backend_for(q: Tensor) -> str:
