@@ -519,7 +519,9 @@ def _consumer_q_step_split_dq(q_tile, do_tile, k_tiles, kv_slot, v_tile, p_stage
     # These stores are 2-way bank conflicted (a half-warp writes four 128-byte rows, which the swizzle
     # spreads over half the banks): 67M of the dense backward's 823M shared-memory wavefronts, and that
     # pipe sets the pace (results/ncu-bwd-d128-smem-*). Staged as eight [64, 8] boxes instead (32-byte
-    # rows, no conflicts), the eight narrow reduce-adds cost far more: 0.76x (results/ab-bwd-dq-box32-*).
+    # rows, no conflicts), the eight narrow reduce-adds cost far more: 0.76x (results/ab-bwd-dq-box32-*); the
+    # same staging added by one reduce-add through a 3-D view [H*D/8, T, 8] of the accumulator ran dense 0.98x,
+    # GEM 0.90-1.01x, PMA q=256 0.95x (results/ab-bwd-dq-groups-3d-*): the conflicts do not set the pace.
     # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
     # clips rows past the tensor end.
     tlx.async_descriptor_store_wait(0)  # the previous reduce has read the staging buffer
