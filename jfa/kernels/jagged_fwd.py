@@ -662,7 +662,9 @@ def _jagged_fwd_kernel(desc_q, desc_k, desc_v, desc_k_tail, desc_v_tail, desc_do
                                     BLOCK_N, NUM_KV_BUFFERS, HEADS_PER_TILE, BLOCK_N, FP8, CONSUMERS)
 
                     # Drain: the last tile's P·V (the dQ fork's dS K); a half last tile multiplies
-                    # only its half.
+                    # only its half. Issuing the next tile's first QK^T here, to run under the epilogue
+                    # (head-major broadcast-Q, same Q block), ran level: PMA q=256 0.992x
+                    # (results/ab-fwd-lookahead-qk-*).
                     if DQ:
                         acc_tiles, acc_fulls, acc_empties = k_tiles, k_fulls, k_empties
                     else:
