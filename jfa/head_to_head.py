@@ -1,13 +1,15 @@
-"""jfa against one peer, interleaved in one process, so both see the same GPU state.
+"""jfa against its peers, interleaved in one process, so all see the same GPU state.
 
 Why: on the H200 the same kernel timed in one process moved by up to 13% between the first and a
 later measurement (clocks fall as the GPU heats; `results/README`). `jfa.bench` times each provider
 of a case once, one after the other, and rows re-measured in a later run (`--rerun`) were timed
 in another thermal state than the peers' rows. Here every case is timed in rounds, the provider
-order alternating per round (jfa, peer / peer, jfa / ...), and each provider's median over the
-rounds is reported with the spread. Timings, inputs, checks and FLOP counts are `jfa.bench`'s.
+order rotating per round (jfa, fa4, fa2 / fa4, fa2, jfa / fa2, jfa, fa4 / ...; with one peer that
+alternates), and each provider's median over the rounds is reported with the spread, with jfa's
+speedup over each peer and over the faster peer of each pass (the issues' "no shape slower than the
+faster of FA2 and FA4"). Timings, inputs, checks and FLOP counts are `jfa.bench`'s.
 
-    python -m jfa.head_to_head OUT.json [--peer fa4] [--suites gem,pma,dense] [--rounds 3]
+    python -m jfa.head_to_head OUT.json [--peer fa4[,fa2]] [--suites gem,pma,dense] [--rounds 3]
 """
 import argparse
 import json
@@ -20,24 +22,40 @@ from pathlib import Path
 from jfa import bench, envinfo, specs
 from jfa.providers import ISOLATED_PROVIDERS, PROVIDERS
 
-MIN_ROUNDS = 2  # each provider is timed first at least once
+COMPARED_PASSES = ("fwd", "bwd")  # backward time = fwd+bwd - fwd
 
 
-def head_to_head(case: dict, peer: str, rounds: int, *, device="cuda", registry: dict | None = None,
+def min_rounds(peers) -> int:
+    """Rounds enough for every provider (jfa and each peer) to be timed first once."""
+    return 1 + len(peers)
+
+
+def round_order(providers: tuple[str, ...], round_: int) -> tuple[str, ...]:
+    """The providers in the order round `round_` times them: rotated by one per round."""
+    shift = round_ % len(providers)
+    return providers[shift:] + providers[:shift]
+
+
+def head_to_head(case: dict, peers, rounds: int, *, device="cuda", registry: dict | None = None,
                  timer: bench.Timer = bench.do_bench_median) -> dict:
-    """jfa and `peer` on one case, forward and forward+backward, timed in alternating rounds."""
-    if rounds < MIN_ROUNDS:
-        raise ValueError(f"rounds: at least {MIN_ROUNDS}, so that each provider is timed first once; got {rounds}")
+    """jfa and each of `peers` (a name or several) on one case, forward and forward+backward, timed in
+    rotating rounds. `speedup` is jfa's over the first peer, `speedups` over each, and `speedup_over_faster`
+    over the faster peer of each pass."""
+    peers = (peers,) if isinstance(peers, str) else tuple(peers)
+    if rounds < min_rounds(peers):
+        raise ValueError(f"rounds: at least {min_rounds(peers)}, so that each provider is timed first once; "
+                         f"got {rounds}")
     registry = PROVIDERS if registry is None else registry
+    providers = ("jfa",) + peers
     problems = bench.build_problems(case, device)
-    checks = {p: {} for p in ("jfa", peer)}
-    ready = {p: bench.prepare_provider(registry[p], problems, checks[p]) for p in checks}
+    checks = {p: {} for p in providers}
+    ready = {p: bench.prepare_provider(registry[p], problems, checks[p]) for p in providers}
     for p, r in ready.items():
         if r.fwd_bwd is None:
             raise ValueError(f"{p} has no backward here ({r.no_backward}); head-to-head times both passes")
-    times = {p: {"fwd": [], "fwd+bwd": []} for p in ready}
+    times = {p: {"fwd": [], "fwd+bwd": []} for p in providers}
     for r in range(rounds):
-        for provider in (("jfa", peer) if r % 2 == 0 else (peer, "jfa")):
+        for provider in round_order(providers, r):
             calls = ready[provider]
             times[provider]["fwd"].append(timer(calls.fwd, []))
             times[provider]["fwd+bwd"].append(timer(calls.fwd_bwd, calls.grads))
@@ -50,50 +68,78 @@ def head_to_head(case: dict, peer: str, rounds: int, *, device="cuda", registry:
             fwd_ms=fwd, bwd_ms=fwd_bwd - fwd, fwd_tflops=specs.tflops(flops["fwd"], fwd),
             bwd_tflops=specs.tflops(flops["bwd"], fwd_bwd - fwd),
             fwd_spread=(max(t["fwd"]) - min(t["fwd"])) / fwd)
-    ours, theirs = result["providers"]["jfa"], result["providers"][peer]
-    result["speedup"] = dict(fwd=theirs["fwd_ms"] / ours["fwd_ms"], bwd=theirs["bwd_ms"] / ours["bwd_ms"])
+    ours = result["providers"]["jfa"]
+    result["speedups"] = {peer: {pass_: result["providers"][peer][f"{pass_}_ms"] / ours[f"{pass_}_ms"]
+                                 for pass_ in COMPARED_PASSES} for peer in peers}
+    result["speedup"] = result["speedups"][peers[0]]
+    result["speedup_over_faster"] = {pass_: min(s[pass_] for s in result["speedups"].values())
+                                     for pass_ in COMPARED_PASSES}
     bench.clear_grads(problems)
     return result
 
 
 def summary_markdown(report: dict) -> str:
     """A markdown table of one head-to-head report: TFLOP/s, each provider's forward spread over the
-    rounds (max - min over the median), jfa's speedup per pass, and each suite's geometric mean."""
-    peer = report["peer"]
-    lines = [f"| case | jfa fwd | {peer} fwd | fwd speedup | jfa bwd | {peer} bwd | bwd speedup |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    logs: dict[str, dict[str, list[float]]] = {}
+    rounds (max - min over the median), jfa's speedup per pass over each peer (and over the faster one
+    where there are several), and each suite's geometric means. Reads one-peer reports too."""
+    peers = report.get("peers", [report["peer"]])
+    several = len(peers) > 1
+    ratio_columns = [f"vs {p}" for p in peers] + ["vs faster"] if several else ["speedup"]
+    header = ["case", "jfa fwd"] + [f"{p} fwd" for p in peers] + [f"fwd {c}" for c in ratio_columns]
+    header += ["jfa bwd"] + [f"{p} bwd" for p in peers] + [f"bwd {c}" for c in ratio_columns]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    logs: dict[str, dict[str, dict[str, list[float]]]] = {}
     for row in report["cases"]:
         label = f"{row['suite']} {row['case']}"
         if "error" in row:
-            lines.append(f"| {label} | failed: {row['error'][:80]} |" + " |" * 5)
+            lines.append(f"| {label} | failed: {row['error'][:80]} |" + " |" * (len(header) - 2))
             continue
-        ours, theirs, speedup = row["providers"]["jfa"], row["providers"][peer], row["speedup"]
-        lines.append(f"| {label} | {ours['fwd_tflops']:.0f} (±{ours['fwd_spread'] * 50:.0f}%) | "
-                     f"{theirs['fwd_tflops']:.0f} (±{theirs['fwd_spread'] * 50:.0f}%) | {speedup['fwd']:.2f}x | "
-                     f"{ours['bwd_tflops']:.0f} | {theirs['bwd_tflops']:.0f} | {speedup['bwd']:.2f}x |")
-        for pass_ in ("fwd", "bwd"):
-            logs.setdefault(row["suite"], {}).setdefault(pass_, []).append(math.log(speedup[pass_]))
+        speedups = row.get("speedups", {peers[0]: row["speedup"]})
+        if several:
+            speedups = dict(speedups, faster=row["speedup_over_faster"])
+        cells = [label]
+        for pass_ in COMPARED_PASSES:
+            for p in ("jfa",) + tuple(peers):
+                numbers = row["providers"][p]
+                spread = f" (±{numbers['fwd_spread'] * 50:.0f}%)" if pass_ == "fwd" else ""
+                cells.append(f"{numbers[f'{pass_}_tflops']:.0f}{spread}")
+            cells += [f"{s[pass_]:.2f}x" for s in speedups.values()]
+            for name, s in speedups.items():
+                logs.setdefault(row["suite"], {}).setdefault(name, {}).setdefault(pass_, []).append(math.log(s[pass_]))
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    for suite, by_pass in logs.items():
-        means = ", ".join(f"{p} {math.exp(statistics.fmean(v)):.2f}x" for p, v in by_pass.items())
-        lines.append(f"{suite}: geometric mean of jfa's speedup over {peer}: {means} ({len(by_pass['fwd'])} cases)")
+    for suite, by_peer in logs.items():
+        for name, by_pass in by_peer.items():
+            over = "the faster peer" if name == "faster" else name
+            means = ", ".join(f"{p} {math.exp(statistics.fmean(v)):.2f}x" for p, v in by_pass.items())
+            lines.append(f"{suite}: geometric mean of jfa's speedup over {over}: {means} ({len(by_pass['fwd'])} cases)")
     return "\n".join(lines)
+
+
+def _peer_list(text: str) -> list[str]:
+    """`--peer`: one peer or a comma-separated list, each timed in jfa's process (not FlexAttention,
+    which runs in its own: `jfa.bench`)."""
+    choices = [p for p in specs.BENCH_PROVIDERS if p != "jfa" and p not in ISOLATED_PROVIDERS]
+    peers = [p for p in text.split(",") if p]
+    unknown = [p for p in peers if p not in choices]
+    if unknown or not peers or len(set(peers)) != len(peers):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (one or more distinct of {', '.join(choices)}, "
+                                         "comma-separated)")
+    return peers
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path)
-    # FlexAttention runs in its own process (jfa.bench), so it cannot share rounds with jfa here.
-    parser.add_argument("--peer", default="fa4",
-                        choices=[p for p in specs.BENCH_PROVIDERS if p != "jfa" and p not in ISOLATED_PROVIDERS])
+    parser.add_argument("--peer", default=["fa4"], type=_peer_list, help="fa4, or several: fa4,fa2")
     parser.add_argument("--suites", default="gem,pma,dense")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    if args.rounds < MIN_ROUNDS:
-        parser.error(f"--rounds: at least {MIN_ROUNDS}, so that each provider is timed first once")
+    if args.rounds < min_rounds(args.peer):
+        parser.error(f"--rounds: at least {min_rounds(args.peer)}, so that each provider is timed first once")
     cases = bench.suite_cases(args.suites.split(","), quick=False)
-    report = dict(kind="head-to-head", peer=args.peer, rounds=args.rounds, env=envinfo.environment(), cases=[])
+    report = dict(kind="head-to-head", peer=args.peer[0], peers=args.peer, rounds=args.rounds,
+                  env=envinfo.environment(), cases=[])
     for case in cases:
         started = time.monotonic()
         try:
@@ -102,10 +148,10 @@ def main(argv=None) -> int:
             row = dict(suite=case["suite"], case=case["case"], error=bench._error_text(exc))
         report["cases"].append(row)
         args.out.write_text(json.dumps(report, indent=1))
-        speed = row.get("speedup")
+        speeds = row.get("speedups")
         print(f"{case['suite']:6s} {case['case']:26s} " + (
-            f"fwd x{speed['fwd']:.2f}  bwd x{speed['bwd']:.2f}" if speed else f"FAILED {row['error'][:120]}")
-              + f"  ({time.monotonic() - started:.0f} s)", flush=True)
+            "  ".join(f"{peer}: fwd x{s['fwd']:.2f} bwd x{s['bwd']:.2f}" for peer, s in speeds.items())
+            if speeds else f"FAILED {row['error'][:120]}") + f"  ({time.monotonic() - started:.0f} s)", flush=True)
     return 0
 
 

@@ -85,3 +85,59 @@ def test_the_command_line_offers_only_in_process_peers(capsys):
     with pytest.raises(SystemExit):
         head_to_head.main(["out.json", "--peer", "flex"])
     assert "invalid choice: 'flex'" in capsys.readouterr().err
+
+
+def test_several_peers_rotate_and_the_faster_peer_sets_the_bar():
+    order = []
+
+    def provider(name):
+        def build(problem):
+            run = reference_provider(problem)
+            forward = run.forward
+
+            def tagged():
+                order.append(name)
+                return forward()
+            run.forward = tagged
+            return run
+        return build
+
+    # fa4 is the faster peer forward, fa2 backward: jfa's speedup over the faster is the smaller ratio.
+    timer = ScriptedTimer({("jfa", "fwd"): [1.0] * 3, ("jfa", "fwd+bwd"): [4.0] * 3,
+                           ("fa4", "fwd"): [1.5] * 3, ("fa4", "fwd+bwd"): [7.5] * 3,
+                           ("fa2", "fwd"): [3.0] * 3, ("fa2", "fwd+bwd"): [7.5] * 3})
+    timer.current = lambda: order[-1]
+    row = head_to_head.head_to_head(small_case(), ["fa4", "fa2"], 3, device="cpu",
+                                    registry={p: provider(p) for p in ("jfa", "fa4", "fa2")}, timer=timer)
+    firsts = [timer.order[i][0] for i in range(0, len(timer.order), 6)]
+    assert firsts == ["jfa", "fa4", "fa2"]  # each provider goes first once
+    assert row["speedups"]["fa4"] == pytest.approx(dict(fwd=1.5, bwd=2.0))
+    assert row["speedups"]["fa2"] == pytest.approx(dict(fwd=3.0, bwd=1.5))
+    assert row["speedup"] == row["speedups"]["fa4"]  # the first peer's, as one-peer reports have it
+    assert row["speedup_over_faster"] == pytest.approx(dict(fwd=1.5, bwd=1.5))
+    with pytest.raises(ValueError, match="rounds: at least 3"):
+        head_to_head.head_to_head(small_case(), ["fa4", "fa2"], 2, device="cpu", registry={})
+
+
+def test_summary_markdown_with_two_peers():
+    providers = {"jfa": dict(fwd_tflops=300.0, bwd_tflops=200.0, fwd_spread=0.02),
+                 "fa4": dict(fwd_tflops=200.0, bwd_tflops=100.0, fwd_spread=0.04),
+                 "fa2": dict(fwd_tflops=100.0, bwd_tflops=160.0, fwd_spread=0.0)}
+    row = dict(suite="pma", case="q=64", providers=providers, speedup=dict(fwd=1.5, bwd=2.0),
+               speedups=dict(fa4=dict(fwd=1.5, bwd=2.0), fa2=dict(fwd=3.0, bwd=1.25)),
+               speedup_over_faster=dict(fwd=1.5, bwd=1.25))
+    text = head_to_head.summary_markdown(dict(peer="fa4", peers=["fa4", "fa2"], cases=[row]))
+    assert text.startswith("| case | jfa fwd | fa4 fwd | fa2 fwd | fwd vs fa4 | fwd vs fa2 | fwd vs faster | "
+                           "jfa bwd | fa4 bwd | fa2 bwd | bwd vs fa4 | bwd vs fa2 | bwd vs faster |")
+    assert "| pma q=64 | 300 (±1%) | 200 (±2%) | 100 (±0%) | 1.50x | 3.00x | 1.50x | 200 | 100 | 160 | 2.00x | " \
+           "1.25x | 1.25x |" in text
+    assert "pma: geometric mean of jfa's speedup over the faster peer: fwd 1.50x, bwd 1.25x (1 cases)" in text
+
+
+def test_the_command_line_takes_a_list_of_peers(capsys):
+    with pytest.raises(SystemExit):
+        head_to_head.main(["out.json", "--peer", "fa4,fa4"])
+    assert "invalid choice: 'fa4,fa4'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        head_to_head.main(["out.json", "--peer", "fa4,fa2", "--rounds", "2"])
+    assert "--rounds: at least 3" in capsys.readouterr().err
