@@ -877,6 +877,10 @@ def _jagged_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_
                                         stride_delta_head, stride_dq_row, qk_scale_log2, sm_scale, HEAD_DIM, BLOCK_M,
                                         BLOCK_N, NUM_Q_BUFFERS, CAUSAL, HAS_WINDOW, DQ_MODE, DQ_HANDOFF_BUFFERS,
                                         DQ_SPLIT, cid, BLOCK_SPARSE, segment != 1, EARLY_V_RELEASE)
+                    # Freed here, after the tile's last step. Freed in DQ_SPLIT's last step at its dQ wait (K's
+                    # last read), the next tile's K/V landed sooner and the backward ran slower: PMA q=256 0.97x,
+                    # dense 0.98x, GEM 0.93-1.01x (results/ab-bwd-kv-free-at-dq-*), as EARLY_V_RELEASE did on
+                    # self-attention.
                     tlx.barrier_arrive(kv_empties[kv_slot], 1)
                     kv_loads += 1
                     if not RESIDENT_Q:
