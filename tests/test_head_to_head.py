@@ -23,26 +23,27 @@ class ScriptedTimer:
         return self.script[(self.current(), pass_)].pop(0)
 
 
+def tagging_provider(name, order):
+    """The reference provider, appending `name` to `order` at every forward call (which provider a timer runs)."""
+    def build(problem):
+        run = reference_provider(problem)
+        forward = run.forward
+
+        def tagged():
+            order.append(name)
+            return forward()
+        run.forward = tagged
+        return run
+    return build
+
+
 def test_rounds_alternate_and_medians_give_the_speedup():
     order = []
-
-    def provider(name):
-        def build(problem):
-            run = reference_provider(problem)
-            forward = run.forward
-
-            def tagged():
-                order.append(name)
-                return forward()
-            run.forward = tagged
-            return run
-        return build
-
     timer = ScriptedTimer({("jfa", "fwd"): [1.0, 2.0, 1.2], ("jfa", "fwd+bwd"): [4.0, 5.0, 4.2],
                            ("peer", "fwd"): [2.0, 2.4, 9.0], ("peer", "fwd+bwd"): [6.0, 6.4, 13.0]})
     timer.current = lambda: order[-1]
     row = head_to_head.head_to_head(small_case(), "peer", 3, device="cpu",
-                                    registry={"jfa": provider("jfa"), "peer": provider("peer")}, timer=timer)
+                                    registry={p: tagging_provider(p, order) for p in ("jfa", "peer")}, timer=timer)
     firsts = [timer.order[i][0] for i in range(0, len(timer.order), 4)]
     assert firsts == ["jfa", "peer", "jfa"]  # who goes first alternates by round
     ours, theirs = row["providers"]["jfa"], row["providers"]["peer"]
@@ -89,26 +90,13 @@ def test_the_command_line_offers_only_in_process_peers(capsys):
 
 def test_several_peers_rotate_and_the_faster_peer_sets_the_bar():
     order = []
-
-    def provider(name):
-        def build(problem):
-            run = reference_provider(problem)
-            forward = run.forward
-
-            def tagged():
-                order.append(name)
-                return forward()
-            run.forward = tagged
-            return run
-        return build
-
     # fa4 is the faster peer forward, fa2 backward: jfa's speedup over the faster is the smaller ratio.
     timer = ScriptedTimer({("jfa", "fwd"): [1.0] * 3, ("jfa", "fwd+bwd"): [4.0] * 3,
                            ("fa4", "fwd"): [1.5] * 3, ("fa4", "fwd+bwd"): [7.5] * 3,
                            ("fa2", "fwd"): [3.0] * 3, ("fa2", "fwd+bwd"): [7.5] * 3})
     timer.current = lambda: order[-1]
-    row = head_to_head.head_to_head(small_case(), ["fa4", "fa2"], 3, device="cpu",
-                                    registry={p: provider(p) for p in ("jfa", "fa4", "fa2")}, timer=timer)
+    registry = {p: tagging_provider(p, order) for p in ("jfa", "fa4", "fa2")}
+    row = head_to_head.head_to_head(small_case(), ["fa4", "fa2"], 3, device="cpu", registry=registry, timer=timer)
     firsts = [timer.order[i][0] for i in range(0, len(timer.order), 6)]
     assert firsts == ["jfa", "fa4", "fa2"]  # each provider goes first once
     assert row["speedups"]["fa4"] == pytest.approx(dict(fwd=1.5, bwd=2.0))
