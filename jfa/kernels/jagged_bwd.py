@@ -147,7 +147,9 @@ PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the
 # split by head dimension too (FlashAttention-4's Hopper step: S^T and dP^T, so dV and dK read P^T and
 # dS^T from registers and no P is staged) it ran dense 0.91x, GEM 0.92-0.96x with dP^T issued after
 # P^T and no reloads (results/ab-bwd-fused-transposed-*), and 0.69x, 0.82-0.87x with S^T and dP^T
-# issued together, where ptxas reloads 8-10 values a step (results/ab-bwd-split-t-*).
+# issued together, where ptxas reloads 8-10 values a step (results/ab-bwd-split-t-*). FlashAttention-4's step
+# (flash_attn/cute `_tile_size_bwd_sm90`) also streams 80-row query blocks at D=128 without causality, which
+# Triton cannot express: every dimension of a tensor must be a power of two.
 TUNING = {
     64: dict(BLOCK_M=64, BLOCK_N=128, NUM_Q_BUFFERS=3, NUM_KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True,
              DQ_HANDOFF_BUFFERS=2, DQ_SPLIT=False),
