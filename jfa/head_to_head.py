@@ -84,7 +84,7 @@ def summary_markdown(report: dict) -> str:
     where there are several), and each suite's geometric means. Reads one-peer reports too."""
     peers = report.get("peers", [report["peer"]])
     several = len(peers) > 1
-    ratio_columns = [f"vs {p}" for p in peers] + ["vs faster"] if several else ["speedup"]
+    ratio_columns = ([f"vs {p}" for p in peers] + ["vs faster"]) if several else ["speedup"]
     header = ["case", "jfa fwd"] + [f"{p} fwd" for p in peers] + [f"fwd {c}" for c in ratio_columns]
     header += ["jfa bwd"] + [f"{p} bwd" for p in peers] + [f"bwd {c}" for c in ratio_columns]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
