@@ -40,3 +40,33 @@ def test_heads_not_contiguous_within_a_row_is_refused():
     t = torch.zeros(4, 32, 128, dtype=torch.bfloat16).transpose(0, 1)  # [32 rows, 4 heads, 128]
     with pytest.raises(ValueError, match="contiguous"):
         rows_descriptor(t, 64)
+
+
+def test_is_a_triton_tensor_descriptor():
+    """Triton specializes and launches it as its own descriptor type (`tensordesc<...>`)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    assert isinstance(rows_descriptor(torch.zeros(8, 1, 64, dtype=torch.bfloat16), 64), TensorDescriptor)
+
+
+def test_misaligned_base_is_refused():
+    buffer = torch.zeros(9 * 64, dtype=torch.bfloat16)
+    view = buffer[1:].unfold(0, 64, 64).unsqueeze(1)  # rows of 64 starting 2 bytes into the buffer
+    with pytest.raises(ValueError, match="aligned base address"):
+        rows_descriptor(view, 64)
+
+
+def test_misaligned_row_stride_is_refused():
+    t = torch.zeros(16, 1, 4, dtype=torch.bfloat16)  # 8-byte rows
+    with pytest.raises(ValueError, match="row stride"):
+        rows_descriptor(t, 16)
+
+
+def test_box_that_tma_cannot_move_is_refused():
+    with pytest.raises(Exception, match="power of 2|power of two"):
+        rows_descriptor(torch.zeros(96, 1, 64, dtype=torch.bfloat16), 48)
+
+
+def test_empty_tensor_is_refused():
+    with pytest.raises(ValueError, match="at least one row"):
+        rows_descriptor(torch.zeros(0, 2, 64, dtype=torch.bfloat16), 64)

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
+from triton._utils import validate_block_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in exp2: e^x = 2^(x*log2 e)
@@ -261,7 +262,31 @@ def store_rows(out_ptr, lse_ptr, out, lse, out_row0, first_row, q_len, head, str
         tl.store(lse_ptr + head.to(tl.int64) * stride_lse_head + out_rows, lse, mask=row_valid)
 
 
-def rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None) -> TensorDescriptor:
+class RowsDescriptor(TensorDescriptor):
+    """The TMA descriptor `rows_descriptor` returns: a `TensorDescriptor` whose checks cost plain
+    integer tests. The dataclass' own checks (block shape through Triton's constexpr helpers, the
+    rank, the padding) cost more than the rest of building it, on every launch; here the block shape
+    is checked once per shape and the rest is known from `rows_descriptor`'s `[T, H*D]` view."""
+
+    def __post_init__(self):
+        _check_box(tuple(self.block_shape))
+        if self.base.data_ptr() % TMA_ALIGN_BYTES:
+            raise ValueError(f"a TMA view needs a {TMA_ALIGN_BYTES}-byte aligned base address, got "
+                             f"{self.base.data_ptr():#x}: pass a tensor that starts at an allocation (.contiguous())")
+        if self.strides[0] * self.base.element_size() % TMA_ALIGN_BYTES:
+            raise ValueError(f"a TMA view needs rows {TMA_ALIGN_BYTES}-byte aligned, got a row stride of "
+                             f"{self.strides[0]} elements of {self.base.element_size()} bytes: pad the rows")
+
+
+TMA_ALIGN_BYTES = 16  # a TMA descriptor's base address and strides are multiples of this
+
+
+@functools.lru_cache(maxsize=None)
+def _check_box(block_shape: tuple) -> None:
+    validate_block_shape(list(block_shape))
+
+
+def rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None) -> RowsDescriptor:
     """TMA view of a packed `[T, H, D]` tensor as `[T, H*D]`; one box = `box_rows` rows of one head
     (or `box_cols` of its columns), at column `head * D`.
 
@@ -274,9 +299,11 @@ def rows_descriptor(t: torch.Tensor, box_rows: int, box_cols: int | None = None)
         raise ValueError(f"a TMA view of a [T, H, D] tensor needs each row's heads and head dim contiguous "
                          f"(strides (row, {dim}, 1)), got strides {tuple(t.stride())} for shape {tuple(t.shape)}: "
                          "pass a tensor with contiguous rows (.contiguous())")
+    if rows == 0:
+        raise ValueError("a TMA view needs at least one row: callers return before launching on an empty batch")
     row_stride = t.stride(0) if rows > 1 else heads * dim
-    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[row_stride, 1],
-                            block_shape=[box_rows, box_cols or dim])
+    return RowsDescriptor(t, shape=[rows, heads * dim], strides=[row_stride, 1],
+                          block_shape=[box_rows, box_cols or dim])
 
 
 # A device's properties never change in a process, and torch's own query costs several µs per call,
