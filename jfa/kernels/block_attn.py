@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 from jfa.kernels.common import LOG2E, num_sms, ring_slot, rows_descriptor, sm_major
+from jfa.kernels.launch import CachedLaunch
 from jfa.schedule import build_block_table
 from jfa.specs import BLOCK_ATTENTION_BLOCK
 
@@ -354,6 +355,9 @@ def _block_attn_bwd_kernel(
 # ---- host wrappers ----------------------------------------------------------------------------
 
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The hot path binds each kernel's arguments once per specialization (`jfa.kernels.launch`).
+_block_attn_fwd_launch = CachedLaunch(_block_attn_fwd_kernel)
+_block_attn_bwd_launch = CachedLaunch(_block_attn_bwd_kernel)
 
 
 def is_supported(q: torch.Tensor) -> bool:
@@ -386,7 +390,7 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     block_start, block_rows, num_blocks = build_block_table(offsets.to(q.device), rows)
     grid = (_num_programs(q.device, block_start.numel() * heads_q),)
-    _block_attn_fwd_kernel[grid](
+    _block_attn_fwd_launch[grid](
         _row_descriptor(q), _row_descriptor(k), _row_descriptor(v),
         out, heads_q * head_dim,
         block_start, block_rows, num_blocks,
@@ -408,7 +412,7 @@ def _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, dq_row_stride, dkv_row_strid
     # the kernel reads the angles as fp32 words; without ROTARY_EPILOGUE it never reads them
     sinu = sinu_pos.to(torch.float32).contiguous() if rotary else dq
     grid = (_num_programs(q.device, block_start.numel() * heads_kv),)
-    _block_attn_bwd_kernel[grid](
+    _block_attn_bwd_launch[grid](
         _row_descriptor(q), _row_descriptor(k), _row_descriptor(v), _row_descriptor(dout),
         dq, dk, dv, dq_row_stride, dkv_row_stride,
         sinu, sinu.stride(0),

@@ -66,6 +66,7 @@ from jfa.kernels import jagged_fwd
 from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, lse_delta_rows,
                                 num_sms, per_step, ring_slot, rows_descriptor, sequence_rows, sm_major,
                                 visible_key_range, visible_mask)
+from jfa.kernels.launch import CachedLaunch
 from jfa.schedule import build_kv_tile_schedule
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
@@ -1021,6 +1022,10 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_offset
 
 # ---- host side: configuration, inspection, launch ----------------------------------------------
 
+# The hot path binds each kernel's arguments once per specialization (`jfa.kernels.launch`).
+_jagged_bwd_launch = CachedLaunch(_jagged_bwd_kernel)
+_delta_launch = CachedLaunch(_delta_kernel)
+_dq_launch = CachedLaunch(_dq_kernel)
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _SIGNATURE_SCALARS = dict(
     lse_ptr="*fp32", delta_ptr="*fp32", dq_accum_ptr="*fp32", dk_ptr=None, dv_ptr=None,
@@ -1206,7 +1211,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets, max_s
     kv_heads = k.shape[1]
     row_width = q_heads * head_dim
     q_blocks = triton.cdiv(q_rows if broadcast_q else max_seq_len_q, shape["BLOCK_M"])
-    _dq_kernel[(max(1, q_blocks), num_seqs, q_heads)](
+    _dq_launch[(max(1, q_blocks), num_seqs, q_heads)](
         q, k, v, dout, lse, delta, dq_target, q_offsets, kv_offsets,
         None if selection is None else selection.blocks, None if selection is None else selection.counts,
         0 if selection is None else selection.row_blocks, row_width, kv_heads * head_dim,
@@ -1230,7 +1235,7 @@ def compute_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     delta = torch.empty((heads, rows), dtype=torch.float32, device=out.device)
     if rows:
         grid = (triton.cdiv(rows, DELTA_BLOCK_ROWS), heads)
-        _delta_kernel[grid](out, dout, delta, rows, heads, heads * head_dim, delta.stride(0),
+        _delta_launch[grid](out, dout, delta, rows, heads, heads * head_dim, delta.stride(0),
                             HEAD_DIM=head_dim, BLOCK_ROWS=DELTA_BLOCK_ROWS)
     return delta
 
@@ -1303,7 +1308,7 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
     else:
         dq_accum = torch.empty((1, config["BLOCK_M"], 1, head_dim), dtype=torch.float32, device=q.device)
     qk_scale_log2 = sm_scale * LOG2E.value
-    _jagged_bwd_kernel[grid](
+    _jagged_bwd_launch[grid](
         rows_descriptor(q, config["BLOCK_M"]), rows_descriptor(k, config["BLOCK_N"] // NUM_CONSUMERS.value),
         rows_descriptor(v, config["BLOCK_N"] // NUM_CONSUMERS.value), rows_descriptor(dout, config["BLOCK_M"]),
         rows_descriptor(dq_accum.flatten(0, 1), config["BLOCK_M"],

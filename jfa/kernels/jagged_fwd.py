@@ -89,6 +89,7 @@ from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, lse_delta_ro
                                 pingpong_enter, pingpong_exit, pingpong_start, ring_slot, rows_descriptor,
                                 sequence_rows, sm_major, store_rows, visible_key_range, visible_mask, zigzag_tile,
                                 zigzag_turns)
+from jfa.kernels.launch import CachedLaunch
 from jfa.schedule import build_tile_schedule
 
 NUM_Q_BUFFERS = 2  # the next tile's Q lands while this one computes (Q_BUFFERS, unless a tuning says otherwise)
@@ -722,6 +723,7 @@ _SIGNATURE_AFTER_OUT = dict(
     stride_lse_head="i32",
     num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32",
     gqa_group="i32", qk_scale_log2="fp32", acc_scale="fp32")
+_jagged_fwd_launch = CachedLaunch(_jagged_fwd_kernel)  # the hot path: binds its arguments once per specialization
 _TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_OUT_DTYPE = specs.FP8_OUT_DTYPE
@@ -981,7 +983,7 @@ def _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len
                                   block_shape=[head_dim, config["BLOCK_N"]])
     else:
         desc_v = rows_descriptor(v, config["BLOCK_N"])
-    _jagged_fwd_kernel[grid](
+    _jagged_fwd_launch[grid](
         rows_descriptor(q, ROWS_PER_CONSUMER.value),
         rows_descriptor(k, config["BLOCK_N"]), desc_v,
         rows_descriptor(k, config["BLOCK_N"] // 2), rows_descriptor(k if fp8 else v, config["BLOCK_N"] // 2),
