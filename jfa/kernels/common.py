@@ -35,6 +35,8 @@ import triton.language.extra.tlx as tlx
 from triton._utils import validate_block_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from jfa import specs
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax runs in exp2: e^x = 2^(x*log2 e)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # back to natural log for the LSE
 
@@ -270,15 +272,12 @@ class RowsDescriptor(TensorDescriptor):
 
     def __post_init__(self):
         _check_box(tuple(self.block_shape))
-        if self.base.data_ptr() % TMA_ALIGN_BYTES:
-            raise ValueError(f"a TMA view needs a {TMA_ALIGN_BYTES}-byte aligned base address, got "
+        if self.base.data_ptr() % specs.TMA_ALIGN_BYTES:
+            raise ValueError(f"a TMA view needs a {specs.TMA_ALIGN_BYTES}-byte aligned base address, got "
                              f"{self.base.data_ptr():#x}: pass a tensor that starts at an allocation (.contiguous())")
-        if self.strides[0] * self.base.element_size() % TMA_ALIGN_BYTES:
-            raise ValueError(f"a TMA view needs rows {TMA_ALIGN_BYTES}-byte aligned, got a row stride of "
+        if self.strides[0] * self.base.element_size() % specs.TMA_ALIGN_BYTES:
+            raise ValueError(f"a TMA view needs rows {specs.TMA_ALIGN_BYTES}-byte aligned, got a row stride of "
                              f"{self.strides[0]} elements of {self.base.element_size()} bytes: pad the rows")
-
-
-TMA_ALIGN_BYTES = 16  # a TMA descriptor's base address and strides are multiples of this
 
 
 @functools.lru_cache(maxsize=None)
