@@ -24,9 +24,12 @@ from jfa.kernels.common import rows_descriptor
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+PROBE_WIDTH: tl.constexpr = tl.constexpr(4)  # a global the probe kernel reads
+
+
 @triton.jit(do_not_specialize=["loose"])
 def _probe_kernel(desc, x_ptr, n, loose, scale, maybe_ptr, BLOCK: tl.constexpr, FLAG: tl.constexpr):
-    pass
+    tl.static_assert(PROBE_WIDTH > 0)
 
 
 class _Compiled:
@@ -58,6 +61,7 @@ def probe(monkeypatch):
     through_triton = []
 
     def triton_run(*args, grid, warmup, **kwargs):
+        _probe_kernel.cache_key  # noqa: B018 -- as Triton's run does, finds the globals the kernel reads
         through_triton.append((grid, args, kwargs))
         return compiled
 
@@ -148,3 +152,16 @@ def test_triton_default_knobs_count_as_no_hook():
     assert not launch._has_hooks(knobs.runtime.launch_exit_hook)
     assert not launch._has_hooks(None)
     assert launch._has_hooks(lambda metadata: None)
+
+
+def test_a_rebound_global_goes_back_through_triton(probe, monkeypatch):
+    """Triton checks on every launch that the globals a kernel read keep their values (and raises if one
+    changed); a kept kernel must not skip that."""
+    cached, compiled, through_triton = probe
+    cached[(1,)](*_args(), **CONFIG)
+    assert any(name == "PROBE_WIDTH" for name, _ in _probe_kernel.used_global_vals)
+    cached[(1,)](*_args(), **CONFIG)
+    assert len(through_triton) == 1 and len(compiled.launches) == 1
+    monkeypatch.setitem(globals(), "PROBE_WIDTH", tl.constexpr(8))
+    cached[(1,)](*_args(), **CONFIG)
+    assert len(through_triton) == 2 and len(compiled.launches) == 1

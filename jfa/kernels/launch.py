@@ -13,7 +13,8 @@ compiled kernel is kept under a key made of what Triton specializes on: each pos
 `native_specialize_impl` (a pointer's dtype and 16-byte alignment, an integer equal to 1 or a
 multiple of 16, a descriptor's dtype and block shape), every keyword (constexprs, warps, stages),
 the device and the global knobs Triton reads. A later call with the same key launches the compiled
-kernel directly. The key never says less than Triton's own (it keeps the whole specialization of
+kernel directly, unless a module global the kernel reads has been rebound since: Triton checks that
+on every launch (and refuses a changed value), so such a call goes back through Triton. The key never says less than Triton's own (it keeps the whole specialization of
 every argument), so it can miss where Triton would hit but never hit where Triton would compile.
 
 Launch hooks (a profiler's `knobs.runtime.launch_enter_hook`) need Triton's launch metadata, so
@@ -38,7 +39,7 @@ class CachedLaunch:
         # per parameter: constexpr, and else the flags Triton's binder passes to native_specialize_impl
         self._flags = [(p.is_constexpr, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
                        for p in self._params or ()]
-        self._compiled = {}  # key -> (compiled kernel, values of the parameters passed by keyword)
+        self._compiled = {}  # key -> (compiled kernel, values of the parameters passed by keyword, globals read)
         self._backends = {}  # device -> the backend Triton specializes for
 
     def __getitem__(self, grid):
@@ -69,18 +70,29 @@ class CachedLaunch:
         if entry is None:
             compiled = self.kernel[grid](*args, **config)
             keyword_values = tuple(config[p.name] if p.name in config else p.default for p in self._params[len(args):])
-            self._compiled[key] = (compiled, keyword_values)
+            self._compiled[key] = (compiled, keyword_values, self._globals_read())
             return compiled
-        compiled, keyword_values = entry
+        compiled, keyword_values, globals_read = entry
+        for namespace, name, value in globals_read:
+            if namespace.get(name, _UNBOUND) is not value:  # rebound: Triton checks it (and raises if it changed)
+                return self.kernel[grid](*args, **config)
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], grid_y, grid_z, driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *keyword_values)
         return compiled
 
+    def _globals_read(self) -> tuple:
+        """The module globals the compiled kernel read, as (namespace, name, the object bound now)."""
+        return tuple((namespace, name, namespace.get(name, _UNBOUND))
+                     for (name, _), (_, namespace) in self.kernel.used_global_vals.items())
+
     def cache_size(self) -> int:
         """Compiled specializations kept (one per key seen)."""
         return len(self._compiled)
+
+
+_UNBOUND = object()  # a global name with no binding
 
 
 def _has_hooks(hook) -> bool:
