@@ -109,9 +109,9 @@ def main(out_path: str) -> None:
         for round_ in range(ROUNDS):
             labels = list(PROVIDER_RUNS)
             for label in labels[round_ % len(labels):] + labels[:round_ % len(labels)]:
-                provider, through_triton = PROVIDER_RUNS[label]
-                if label in errors:
+                if label in errors:  # failed in an earlier round: not retried
                     continue
+                provider, through_triton = PROVIDER_RUNS[label]
                 try:
                     with _launch_path(through_triton):
                         run = PROVIDERS[provider](problem)
@@ -126,6 +126,7 @@ def main(out_path: str) -> None:
     with open(out_path, "w") as f:
         json.dump(dict(kind="launch overhead", env=envinfo.environment(), calls=CALLS, rounds=ROUNDS, rows=rows),
                   f, indent=1)
+
 
 if __name__ == "__main__":
     main(sys.argv[1])

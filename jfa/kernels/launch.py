@@ -14,8 +14,9 @@ compiled kernel is kept under a key made of what Triton specializes on: each pos
 multiple of 16, a descriptor's dtype and block shape), every keyword (constexprs, warps, stages),
 the device and the global knobs Triton reads. A later call with the same key launches the compiled
 kernel directly, unless a module global the kernel reads has been rebound since: Triton checks that
-on every launch (and refuses a changed value), so such a call goes back through Triton. The key never says less than Triton's own (it keeps the whole specialization of
-every argument), so it can miss where Triton would hit but never hit where Triton would compile.
+on every launch (and refuses a changed value), so such a call goes back through Triton. The key
+never says less than Triton's own (it keeps the whole specialization of every argument), so it can
+miss where Triton would hit but never hit where Triton would compile.
 
 Launch hooks (a profiler's `knobs.runtime.launch_enter_hook`) need Triton's launch metadata, so
 with one set every call goes through Triton, as does a grid given as a function and every call
@@ -28,6 +29,8 @@ from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.compiler.compiler import make_backend
 from triton.runtime.driver import driver
+
+_UNBOUND = object()  # a global name with no binding
 
 
 class CachedLaunch:
@@ -90,9 +93,6 @@ class CachedLaunch:
     def cache_size(self) -> int:
         """Compiled specializations kept (one per key seen)."""
         return len(self._compiled)
-
-
-_UNBOUND = object()  # a global name with no binding
 
 
 def _has_hooks(hook) -> bool:
