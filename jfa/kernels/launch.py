@@ -16,7 +16,9 @@ the device and the global knobs Triton reads. A later call with the same key lau
 kernel directly, unless a module global the kernel reads has been rebound since: Triton checks that
 on every launch (and refuses a changed value), so such a call goes back through Triton. The key
 never says less than Triton's own (it keeps the whole specialization of every argument), so it can
-miss where Triton would hit but never hit where Triton would compile.
+miss where Triton would hit but never hit where Triton would compile. Measured on the H200 against
+Triton's path, same process, 6 rounds (`results/ab-launch-cached-*`): a forward call 130 -> 89 µs of
+CPU, a backward call (three launches) 356 -> 233 µs.
 
 Launch hooks (a profiler's `knobs.runtime.launch_enter_hook`) need Triton's launch metadata, so
 with one set every call goes through Triton, as does a grid given as a function and every call
