@@ -29,3 +29,14 @@ def test_properties_are_read_once_per_device(monkeypatch):
         assert calls == [0, 1]
     finally:
         common._device_properties.cache_clear()  # later tests see the real devices
+
+
+def test_persistent_grid_is_one_program_per_sm_at_most_and_at_least_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(major=9, multi_processor_count=132))
+    common._device_properties.cache_clear()
+    try:
+        device = torch.device("cuda", 0)
+        assert [common.persistent_programs(device, units) for units in (0, 1, 131, 132, 5000)] == [1, 1, 131, 132, 132]
+    finally:
+        common._device_properties.cache_clear()

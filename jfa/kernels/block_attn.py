@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from jfa.kernels.common import LOG2E, num_sms, ring_slot, rows_descriptor, sm_major
+from jfa.kernels.common import LOG2E, persistent_programs, ring_slot, rows_descriptor, sm_major
 from jfa.kernels.launch import CachedLaunch
 from jfa.schedule import build_block_table
 from jfa.specs import BLOCK_ATTENTION_BLOCK
@@ -372,11 +372,6 @@ def _row_descriptor(t: torch.Tensor):
     return rows_descriptor(t, BLOCK_ATTENTION_BLOCK)
 
 
-def _num_programs(device: torch.device, max_units: int) -> int:
-    """One persistent program per SM, fewer when there is less work than SMs."""
-    return max(1, min(num_sms(device), max_units))
-
-
 def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Block attention forward on the GPU: out [T, Hq, D] in q's dtype (inputs already validated).
@@ -389,7 +384,7 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
         return out
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     block_start, block_rows, num_blocks = build_block_table(offsets.to(q.device), rows)
-    grid = (_num_programs(q.device, block_start.numel() * heads_q),)
+    grid = (persistent_programs(q.device, block_start.numel() * heads_q),)
     _block_attn_fwd_launch[grid](
         _row_descriptor(q), _row_descriptor(k), _row_descriptor(v),
         out, heads_q * head_dim,
@@ -411,7 +406,7 @@ def _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, dq_row_stride, dkv_row_strid
     rotary = sinu_pos is not None
     # the kernel reads the angles as fp32 words; without ROTARY_EPILOGUE it never reads them
     sinu = sinu_pos.to(torch.float32).contiguous() if rotary else dq
-    grid = (_num_programs(q.device, block_start.numel() * heads_kv),)
+    grid = (persistent_programs(q.device, block_start.numel() * heads_kv),)
     _block_attn_bwd_launch[grid](
         _row_descriptor(q), _row_descriptor(k), _row_descriptor(v), _row_descriptor(dout),
         dq, dk, dv, dq_row_stride, dkv_row_stride,

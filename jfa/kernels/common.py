@@ -24,7 +24,8 @@ easy to get subtly wrong and that every warp-specialized attention kernel needs 
   "row saw no key" case giving 0 and -inf.
 - `rows_descriptor` (host side): the TMA view of a packed `[T, H, D]` tensor that the kernels' boxes
   of one head's rows are cut from.
-- `sm_major` / `num_sms` (host side): the GPU facts every launch asks for, read once per device.
+- `sm_major` / `num_sms` / `persistent_programs` (host side): the GPU facts every launch asks for, read
+  once per device, and the persistent grid they give.
 """
 import functools
 
@@ -320,3 +321,8 @@ def sm_major(device: torch.device) -> int:
 def num_sms(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA device: one persistent program each."""
     return _device_properties(device.index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, units: int) -> int:
+    """A persistent grid: one program per SM, fewer when there are fewer work units, at least one."""
+    return max(1, min(num_sms(device), units))

@@ -63,8 +63,8 @@ import triton.language.extra.tlx as tlx
 
 from jfa import specs
 from jfa.kernels import jagged_fwd
-from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, lse_delta_rows,
-                                num_sms, per_step, ring_slot, rows_descriptor, sequence_rows, sm_major,
+from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS, loop_segment, lse_delta_rows, num_sms,
+                                per_step, persistent_programs, ring_slot, rows_descriptor, sequence_rows, sm_major,
                                 visible_key_range, visible_mask)
 from jfa.kernels.launch import CachedLaunch
 from jfa.schedule import build_kv_tile_schedule
@@ -1295,7 +1295,8 @@ def jagged_attention_bwd(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq
                                       max_seq_len_q=max_seq_len_q)
     max_tiles = schedule.max_entries * kv_heads
     resident_q = config["RESIDENT_Q"]
-    grid = (resident_q_grid(programs, kv_heads, max_tiles) if resident_q else max(1, min(programs, max_tiles)),)
+    grid = (resident_q_grid(programs, kv_heads, max_tiles) if resident_q
+            else persistent_programs(q.device, max_tiles),)
     row_width = q_heads * head_dim
     # fp32 dQ accumulator: one copy per program with broadcast-Q (summed below), else one shared.
     partials = grid[0] if (broadcast_q and fused_dq) else 1

@@ -85,10 +85,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from jfa import specs
 from jfa.fp8 import transposed_value_layout
-from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, lse_delta_rows, num_sms, online_softmax_step,
-                                pingpong_enter, pingpong_exit, pingpong_start, ring_slot, rows_descriptor,
-                                sequence_rows, sm_major, store_rows, visible_key_range, visible_mask, zigzag_tile,
-                                zigzag_turns)
+from jfa.kernels.common import (LOG2E, finalize_rows, loop_segment, lse_delta_rows, online_softmax_step,
+                                persistent_programs, pingpong_enter, pingpong_exit, pingpong_start, ring_slot,
+                                rows_descriptor, sequence_rows, sm_major, store_rows, visible_key_range, visible_mask,
+                                zigzag_tile, zigzag_turns)
 from jfa.kernels.launch import CachedLaunch
 from jfa.schedule import build_tile_schedule
 
@@ -976,7 +976,7 @@ def _launch(q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len
                                        max_seq_len_kv=max_seq_len_kv)
     config["ENTRY_MAJOR"] = schedule.q_blocks_per_seq == 1
     max_tiles = schedule.max_entries * (q_heads // pairing)
-    grid = (max(1, min(num_sms(q.device), max_tiles)),)
+    grid = (persistent_programs(q.device, max_tiles),)
     if fp8:  # a 2-D v is V^T already (`jfa.fp8.transpose_values`)
         v_t = v if v.ndim == 2 else transposed_values(v, kv_offsets)
         desc_v = TensorDescriptor(v_t, shape=list(v_t.shape), strides=[v_t.shape[1], 1],

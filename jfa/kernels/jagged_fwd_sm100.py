@@ -32,8 +32,8 @@ import triton.language as tl
 import triton.language.extra.tlx as tlx
 
 from jfa import specs
-from jfa.kernels.common import (LOG2E, finalize_rows, num_sms, online_softmax_step, ring_slot, rows_descriptor,
-                                sm_major, store_rows, visible_mask)
+from jfa.kernels.common import (LOG2E, finalize_rows, online_softmax_step, persistent_programs, ring_slot,
+                                rows_descriptor, sm_major, store_rows, visible_mask)
 from jfa.kernels.jagged_fwd import (_SIGNATURE_AFTER_OUT, _TRITON_DTYPE_NAMES, _produce_kv_tile,
                                     _tile_geometry, _tile_loop)
 from jfa.schedule import build_tile_schedule
@@ -215,7 +215,7 @@ def jagged_attention_fwd_sm100(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
     schedule = build_tile_schedule(q_offsets, kv_offsets, max_seq_len_q=max_seq_len_q, block_m=BLOCK_M.value,
                                    block_n=BLOCK_N, causal=causal, window=window, broadcast_q=broadcast_q,
                                    max_seq_len_kv=max_seq_len_kv)
-    grid = (max(1, min(num_sms(q.device), schedule.max_entries * q_heads)),)
+    grid = (persistent_programs(q.device, schedule.max_entries * q_heads),)
     _jagged_fwd_sm100_kernel[grid](
         rows_descriptor(q, BLOCK_M.value), rows_descriptor(k, BLOCK_N), rows_descriptor(v, BLOCK_N),
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries, out.stride(0), lse.stride(0),
