@@ -1,0 +1,84 @@
+"""SM clock and board power while one provider's pass runs one case back to back.
+
+Under these kernels the H200 runs at its 700 W power cap, so the SM clock follows the power a kernel
+draws: a kernel that does more work per second runs at a lower clock. Comparing providers by time
+alone mixes the two; this script records, for each (pass, case, provider), the time per call and
+the median SM clock and power that nvidia-smi reports every 50 ms over about 3 s of back-to-back
+calls (the first third of the samples dropped while the clock settles). ms x MHz gives SM cycles.
+
+    python scripts/clocks_power.py OUT.json     (GPU host, .gpu-bundle active, .fa4-part2 for FA4)
+"""
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from jfa import bench, envinfo, specs
+from jfa.providers import PROVIDERS
+
+CASES = (("fwd", "pma", "q=256,kv<=2048"), ("fwd", "dense", "B=4,H=32,N=4096,D=128"),
+         ("fwd_bwd", "dense", "B=4,H=32,N=4096,D=128"), ("fwd_bwd", "gem", "L=2048,s=1.0"),
+         ("fwd_bwd", "pma", "q=256,kv<=2048"))
+COMPARED = ("jfa", "fa4")
+SECONDS = 3.0
+SAMPLE_MS = 50
+WARM_UP_CALLS = 10
+CALLS_PER_SYNC = 10
+
+
+def _median(values):
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _sustained(call):
+    """(ms per call, [(sm MHz, watts)]) over SECONDS of back-to-back calls."""
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0, calls = time.time(), 0
+    start.record()
+    while time.time() - t0 < SECONDS:
+        for _ in range(CALLS_PER_SYNC):
+            call()
+        calls += CALLS_PER_SYNC
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    lines = [line for line in smi.communicate()[0].strip().splitlines() if line.strip()]
+    samples = [tuple(float(x) for x in line.split(",")) for line in lines]
+    return start.elapsed_time(end) / calls, samples[len(samples) // 3:]
+
+
+def main(out_path: str) -> None:
+    rows = []
+    for pass_, suite, name in CASES:
+        case = next(c for c in specs.BENCH_SUITES[suite] if c["case"] == name)
+        problems = bench.build_problems(case, "cuda")
+        for provider in COMPARED:
+            row = dict(case=f"{suite} {name}", pass_=pass_, provider=provider)
+            try:
+                ready = bench.prepare_provider(PROVIDERS[provider], problems, {})
+                call = ready.fwd if pass_ == "fwd" else ready.fwd_bwd
+                for _ in range(WARM_UP_CALLS):
+                    call()
+                torch.cuda.synchronize()
+                ms, samples = _sustained(call)
+                row.update(ms_per_call=ms, sm_clock_mhz_median=_median(s[0] for s in samples),
+                           power_w_median=_median(s[1] for s in samples), samples=len(samples))
+            except Exception as exc:  # a provider that cannot run here gets a row that says why
+                row.update(error=repr(exc)[:300])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del problems
+        torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump(dict(kind="SM clock and board power under sustained load", env=envinfo.environment(), rows=rows),
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
