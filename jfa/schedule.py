@@ -167,12 +167,17 @@ def _fwd_entry_work(q_len, kv_len, q_block, window, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _bwd_entry_work(q_len, kv_len, kv_block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """`q_blocks_per_kv_tile` for a vector of entries: query blocks visited, -1 past the end."""
-    col0 = kv_block * BLOCK_N
-    col_last = tl.minimum(col0 + BLOCK_N, kv_len) - 1
-    q_lo = tl.zeros_like(q_len)
+def visible_query_blocks(col0, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(first_row, num_blocks): the BLOCK_M-row query blocks, from sequence-local row first_row on,
+    that see a key of the KV tile starting at column col0 (num_blocks 0 when no row does).
+
+    Query i sees key j iff i >= j - (kv_len - q_len) (causal, bottom-right) and j - W <= i <= j + W
+    (window W). Scalars (the backward kernel's tile, `jagged_bwd._kv_tile_geometry`) or vectors
+    (`_bwd_entry_work`, which sorts the tiles by it): one function, so both count the same blocks.
+    """
+    col_last = tl.minimum(col0 + BLOCK_N, kv_len) - 1  # the tile's last real key
+    q_lo = q_len * 0
     q_hi = q_len
     if CAUSAL:
         q_lo = tl.maximum(q_lo, col0 - (kv_len - q_len))
@@ -180,7 +185,15 @@ def _bwd_entry_work(q_len, kv_len, kv_block, window, BLOCK_M: tl.constexpr, BLOC
         q_lo = tl.maximum(q_lo, col0 - window)
         q_hi = tl.minimum(q_hi, col_last + window + 1)
     first_row = (q_lo // BLOCK_M) * BLOCK_M  # q_lo >= 0: truncation is floor
-    blocks = tl.where(q_hi > q_lo, (q_hi - first_row + (BLOCK_M - 1)) // BLOCK_M, 0)
+    return first_row, tl.where(q_hi > q_lo, (q_hi - first_row + (BLOCK_M - 1)) // BLOCK_M, 0)
+
+
+@triton.jit
+def _bwd_entry_work(q_len, kv_len, kv_block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """`q_blocks_per_kv_tile` for a vector of entries: query blocks visited, -1 past the end."""
+    col0 = kv_block * BLOCK_N
+    _, blocks = visible_query_blocks(col0, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     return tl.where(col0 < kv_len, blocks, -1)
 
 

@@ -67,7 +67,7 @@ from jfa.kernels.common import (LOG2E, PINGPONG_BARRIER_FIRST, PINGPONG_THREADS,
                                 per_step, persistent_programs, ring_slot, rows_descriptor, sequence_rows, sm_major,
                                 visible_key_range, visible_mask)
 from jfa.kernels.launch import CachedLaunch
-from jfa.schedule import build_kv_tile_schedule
+from jfa.schedule import build_kv_tile_schedule, visible_query_blocks
 
 # How dQ is formed (the `dq_mode` argument of `jagged_attention_bwd`).
 DQ_SEPARATE: tl.constexpr = tl.constexpr(0)  # query-stationary `_dq_kernel`: no atomics, deterministic
@@ -307,9 +307,9 @@ def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num
 
     Returns (kv_head, seq, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row,
     num_q_blocks): the tile's keys are sequence-local columns col0 .. col0+BLOCK_N-1, and it visits
-    query blocks starting at sequence-local rows first_row + i*BLOCK_M for i < num_q_blocks. Query i
-    sees key j (causal) iff i >= j - (kv_len - q_len), and (window) iff j - W <= i <= j + W. (The
-    block-sparse fork visits the selected query blocks instead: `_query_block_row`.)
+    query blocks starting at sequence-local rows first_row + i*BLOCK_M for i < num_q_blocks, counted by
+    `jfa.schedule.visible_query_blocks` as the tile list is (the block-sparse fork visits the selected
+    query blocks instead: `_query_block_row`).
     """
     entry = tl.load(tile_entries_ptr + tile // num_kv_heads)
     kv_head = tile % num_kv_heads
@@ -317,16 +317,8 @@ def _kv_tile_geometry(tile, tile_entries_ptr, q_offsets_ptr, kv_offsets_ptr, num
     col0 = (entry % kv_blocks_per_seq) * BLOCK_N
     q_start, q_len, out_row0, kv_start, kv_len = sequence_rows(
         seq, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len, BROADCAST_Q)
-    col_last = tl.minimum(col0 + BLOCK_N, kv_len) - 1  # last real key of the tile
-    q_lo = 0
-    q_hi = q_len
-    if CAUSAL:
-        q_lo = tl.maximum(q_lo, col0 - (kv_len - q_len))
-    if HAS_WINDOW:
-        q_lo = tl.maximum(q_lo, col0 - window)
-        q_hi = tl.minimum(q_hi, col_last + window + 1)
-    first_row = (q_lo // BLOCK_M) * BLOCK_M
-    num_q_blocks = tl.where(q_hi > q_lo, tl.cdiv(q_hi - first_row, BLOCK_M), 0)
+    first_row, num_q_blocks = visible_query_blocks(col0, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL,
+                                                   HAS_WINDOW)
     return (kv_head, seq, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks)
 
 
