@@ -70,7 +70,7 @@ def main(out_path: str) -> None:
                 row.update(ms_per_call=ms, sm_clock_mhz_median=_median(s[0] for s in samples),
                            power_w_median=_median(s[1] for s in samples), samples=len(samples))
             except Exception as exc:  # a provider that cannot run here gets a row that says why
-                row.update(error=repr(exc)[:300])
+                row.update(error=bench._error_text(exc))
             print(json.dumps(row), flush=True)
             rows.append(row)
         del problems
