@@ -5,6 +5,8 @@ draws: a kernel that does more work per second runs at a lower clock. Comparing 
 alone mixes the two; this script records, for each (pass, case, provider), the time per call and
 the median SM clock and power that nvidia-smi reports every 50 ms over about 3 s of back-to-back
 calls (the first third of the samples dropped while the clock settles). ms x MHz gives SM cycles.
+A bf16 GEMM of GEMM_SIZE^3 runs the same way first: the tensor-core rate a kernel can sustain under the
+cap, the ceiling for any attention rate (`specs.H200_BF16_GEMM_TFLOPS` is the anchors' do_bench figure).
 
     python scripts/clocks_power.py OUT.json     (GPU host, .gpu-bundle active, .fa4-part2 for FA4)
 """
@@ -18,10 +20,12 @@ import torch
 from jfa import bench, envinfo, specs
 from jfa.providers import PROVIDERS
 
-CASES = (("fwd", "pma", "q=256,kv<=2048"), ("fwd", "dense", "B=4,H=32,N=4096,D=128"),
+# Each fwd_bwd case has its fwd case too, so the backward alone is their difference.
+CASES = (("fwd", "pma", "q=256,kv<=2048"), ("fwd", "dense", "B=4,H=32,N=4096,D=128"), ("fwd", "gem", "L=2048,s=1.0"),
          ("fwd_bwd", "dense", "B=4,H=32,N=4096,D=128"), ("fwd_bwd", "gem", "L=2048,s=1.0"),
          ("fwd_bwd", "pma", "q=256,kv<=2048"))
 COMPARED = ("jfa", "fa4")
+GEMM_SIZE = 8192  # the anchors' ceiling GEMM: large enough that every SM stays busy
 SECONDS = 3.0
 SAMPLE_MS = 50
 WARM_UP_CALLS = 10
@@ -53,8 +57,21 @@ def _sustained(call):
     return start.elapsed_time(end) / calls, samples[len(samples) // 3:]
 
 
+def _gemm_row() -> dict:
+    """The sustained bf16 GEMM on random data (zeros would draw less power)."""
+    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(WARM_UP_CALLS):
+        torch.matmul(a, b)
+    torch.cuda.synchronize()
+    ms, samples = _sustained(lambda: torch.matmul(a, b))
+    return dict(case=f"bf16 GEMM {GEMM_SIZE}^3", pass_="gemm", provider="torch.matmul", ms_per_call=ms,
+                tflops=specs.tflops(2.0 * GEMM_SIZE ** 3, ms), sm_clock_mhz_median=_median(s[0] for s in samples),
+                power_w_median=_median(s[1] for s in samples), samples=len(samples))
+
+
 def main(out_path: str) -> None:
-    rows = []
+    rows = [_gemm_row()]
+    print(json.dumps(rows[0]), flush=True)
     for pass_, suite, name in CASES:
         case = next(c for c in specs.BENCH_SUITES[suite] if c["case"] == name)
         problems = bench.build_problems(case, "cuda")
@@ -67,7 +84,9 @@ def main(out_path: str) -> None:
                     call()
                 torch.cuda.synchronize()
                 ms, samples = _sustained(call)
-                row.update(ms_per_call=ms, sm_clock_mhz_median=_median(s[0] for s in samples),
+                flops = bench.case_flops(case, problems[0], "fwd" if pass_ == "fwd" else "fwd+bwd")
+                row.update(ms_per_call=ms, tflops=specs.tflops(flops, ms),
+                           sm_clock_mhz_median=_median(s[0] for s in samples),
                            power_w_median=_median(s[1] for s in samples), samples=len(samples))
             except Exception as exc:  # a provider that cannot run here gets a row that says why
                 row.update(error=bench._error_text(exc))
