@@ -116,6 +116,49 @@ def summary_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def target_demand_markdown(report: dict, targets: dict, ceilings: dict, peer: str = specs.BWD_TARGET_PEER) -> str:
+    """What backward speedup targets over `peer` ask of the GPU, case by case in one head-to-head
+    report: the rate a target sets (target x the peer's backward TFLOP/s), against each GEMM ceiling
+    (`ceilings`: label -> TFLOP/s), a hard bound, and against the fastest forward of any provider on
+    the case, an empirical one: the fastest backward's share of it is shown beside (a backward runs
+    five GEMMs to the forward's two, with more shared-memory traffic per FLOP).
+
+    `targets` maps suite -> speedup. For a suite's geometric mean it adds one line: if every case
+    whose rate is above the fastest forward got a backward as fast as jfa's forward, the speedup each
+    other case would need for the mean to reach the target, and what that is against jfa's forward."""
+    header = ["case", f"{peer} bwd", "jfa bwd", "target", "asks"] + [f"asks / {label}" for label in ceilings]
+    header += ["fastest fwd", "asks / fastest fwd", "fastest bwd / fastest fwd"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    held, free = {}, {}
+    for row in report["cases"]:
+        target = targets.get(row["suite"])
+        if target is None or "error" in row:
+            continue
+        rates = row["providers"]
+        peer_bwd = rates[peer]["bwd_tflops"]
+        asks = target * peer_bwd
+        fastest_fwd = max(rates, key=lambda p: rates[p]["fwd_tflops"])
+        fwd_rate = rates[fastest_fwd]["fwd_tflops"]
+        bwd_rate = max(r["bwd_tflops"] for r in rates.values())
+        cells = [f"{row['suite']} {row['case']}", f"{peer_bwd:.0f}", f"{rates['jfa']['bwd_tflops']:.0f}",
+                 f"{target:.2f}x", f"{asks:.0f}"] + [f"{asks / ceiling:.2f}x" for ceiling in ceilings.values()]
+        cells += [f"{fwd_rate:.0f} ({fastest_fwd})", f"{asks / fwd_rate:.2f}x", f"{bwd_rate / fwd_rate:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+        jfa_fwd_over_peer = rates["jfa"]["fwd_tflops"] / peer_bwd
+        (held if asks > fwd_rate else free).setdefault(row["suite"], []).append((row["case"], jfa_fwd_over_peer))
+    lines.append("")
+    for suite, cases in free.items():
+        capped = held.get(suite, [])
+        if not capped:
+            continue
+        total = len(cases) + len(capped)
+        each = math.exp((total * math.log(targets[suite]) - sum(math.log(c) for _, c in capped)) / len(cases))
+        needs = ", ".join(f"{case} ({each / jfa_fwd:.2f}x jfa's forward)" for case, jfa_fwd in cases)
+        lines.append(f"{suite}: with its {len(capped)} cases above the fastest forward given a backward as fast as "
+                     f"jfa's forward, a geometric mean of {targets[suite]:.2f}x needs {each:.2f}x {peer} on {needs}")
+    return "\n".join(lines)
+
+
 def _peer_list(text: str) -> list[str]:
     """`--peer`: one peer or a comma-separated list, each timed in jfa's process (not FlexAttention,
     which runs in its own: `jfa.bench`)."""

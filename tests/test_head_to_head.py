@@ -122,6 +122,26 @@ def test_summary_markdown_with_two_peers():
     assert "pma: geometric mean of jfa's speedup over the faster peer: fwd 1.50x, bwd 1.25x (1 cases)" in text
 
 
+def test_target_demand_against_the_ceilings_and_the_forward():
+    def case(name, jfa, fa4):
+        providers = {p: dict(fwd_tflops=fwd, bwd_tflops=bwd) for p, (fwd, bwd) in dict(jfa=jfa, fa4=fa4).items()}
+        return dict(suite="gem", case=name, providers=providers)
+
+    # "long": 1.5 x 400 = 600 asks above every forward (500), so it is held to jfa's forward (1.25x fa4's
+    # backward); then "short" needs 1.5**2 / 1.25 = 1.8x fa4 = 180, 1.8 / (150 / 100) = 1.2x jfa's forward.
+    report = dict(cases=[case("long", (500.0, 380.0), (450.0, 400.0)), case("short", (150.0, 120.0), (90.0, 100.0)),
+                         dict(suite="gem", case="failed", error="x"), dict(case("other", (1.0, 1.0), (1.0, 1.0)),
+                                                                           suite="dense")])
+    text = head_to_head.target_demand_markdown(report, {"gem": 1.5}, {"GEMM": 800.0})
+    assert text.startswith("| case | fa4 bwd | jfa bwd | target | asks | asks / GEMM | fastest fwd | "
+                           "asks / fastest fwd | fastest bwd / fastest fwd |")
+    assert "| gem long | 400 | 380 | 1.50x | 600 | 0.75x | 500 (jfa) | 1.20x | 0.80x |" in text
+    assert "| gem short | 100 | 120 | 1.50x | 150 | 0.19x | 150 (jfa) | 1.00x | 0.80x |" in text
+    assert "failed" not in text and "other" not in text  # a failed row and a suite without a target are left out
+    assert text.endswith("gem: with its 1 cases above the fastest forward given a backward as fast as jfa's forward, "
+                         "a geometric mean of 1.50x needs 1.80x fa4 on short (1.20x jfa's forward)")
+
+
 def test_the_command_line_takes_a_list_of_peers(capsys):
     with pytest.raises(SystemExit):
         head_to_head.main(["out.json", "--peer", "fa4,fa4"])
