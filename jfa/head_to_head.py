@@ -116,16 +116,18 @@ def summary_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def target_demand_markdown(report: dict, targets: dict, ceilings: dict, peer: str = specs.BWD_TARGET_PEER) -> str:
+def target_demand_markdown(report: dict, targets: dict, ceilings: dict, peer: str = specs.BWD_TARGET_PEER,
+                           mean_suites=specs.BWD_TARGET_MEAN_SUITES) -> str:
     """What backward speedup targets over `peer` ask of the GPU, case by case in one head-to-head
     report: the rate a target sets (target x the peer's backward TFLOP/s), against each GEMM ceiling
     (`ceilings`: label -> TFLOP/s), a hard bound, and against the fastest forward of any provider on
     the case, an empirical one: the fastest backward's share of it is shown beside (a backward runs
     five GEMMs to the forward's two, with more shared-memory traffic per FLOP).
 
-    `targets` maps suite -> speedup. For a suite's geometric mean it adds one line: if every case
-    whose rate is above the fastest forward got a backward as fast as jfa's forward, the speedup each
-    other case would need for the mean to reach the target, and what that is against jfa's forward."""
+    `targets` maps suite -> speedup. For each suite whose target is a geometric mean (`mean_suites`)
+    it adds one line: if every case whose rate is above the fastest forward got a backward as fast as
+    jfa's forward, the speedup each other case would need for the mean to reach the target, and what
+    that is against jfa's forward."""
     header = ["case", f"{peer} bwd", "jfa bwd", "target", "asks"] + [f"asks / {label}" for label in ceilings]
     header += ["fastest fwd", "asks / fastest fwd", "fastest bwd / fastest fwd"]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
@@ -149,7 +151,7 @@ def target_demand_markdown(report: dict, targets: dict, ceilings: dict, peer: st
     lines.append("")
     for suite, cases in free.items():
         capped = held.get(suite, [])
-        if not capped:
+        if not capped or suite not in mean_suites:
             continue
         total = len(cases) + len(capped)
         each = math.exp((total * math.log(targets[suite]) - sum(math.log(c) for _, c in capped)) / len(cases))

@@ -140,6 +140,8 @@ def test_target_demand_against_the_ceilings_and_the_forward():
     assert "failed" not in text and "other" not in text  # a failed row and a suite without a target are left out
     assert text.endswith("gem: with its 1 cases above the fastest forward given a backward as fast as jfa's forward, "
                          "a geometric mean of 1.50x needs 1.80x fa4 on short (1.20x jfa's forward)")
+    per_case = head_to_head.target_demand_markdown(report, {"gem": 1.5}, {"GEMM": 800.0}, mean_suites=())
+    assert "geometric mean" not in per_case  # a per-case target has no mean to reach
 
 
 def test_the_command_line_takes_a_list_of_peers(capsys):
