@@ -11,6 +11,7 @@ cap, the ceiling for any attention rate (`specs.H200_BF16_GEMM_TFLOPS` is the an
     python scripts/clocks_power.py OUT.json     (GPU host, .gpu-bundle active, .fa4-part2 for FA4)
 """
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -32,13 +33,12 @@ WARM_UP_CALLS = 10
 CALLS_PER_SYNC = 10
 
 
-def _median(values):
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
-def _sustained(call):
-    """(ms per call, [(sm MHz, watts)]) over SECONDS of back-to-back calls."""
+def _sustained(call, flops: float) -> dict:
+    """A row's measurements of `call` (`flops` per call): after a warm-up, SECONDS of back-to-back calls,
+    their ms per call and TFLOP/s, and the upper medians of the SM clock and board power sampled meanwhile."""
+    for _ in range(WARM_UP_CALLS):
+        call()
+    torch.cuda.synchronize()
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                             "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -54,19 +54,18 @@ def _sustained(call):
     smi.terminate()
     lines = [line for line in smi.communicate()[0].strip().splitlines() if line.strip()]
     samples = [tuple(float(x) for x in line.split(",")) for line in lines]
-    return start.elapsed_time(end) / calls, samples[len(samples) // 3:]
+    samples = samples[len(samples) // 3:]
+    ms = start.elapsed_time(end) / calls
+    return dict(ms_per_call=ms, tflops=specs.tflops(flops, ms),
+                sm_clock_mhz_median=statistics.median_high(s[0] for s in samples),
+                power_w_median=statistics.median_high(s[1] for s in samples), samples=len(samples))
 
 
 def _gemm_row() -> dict:
     """The sustained bf16 GEMM on random data (zeros would draw less power)."""
     a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(WARM_UP_CALLS):
-        torch.matmul(a, b)
-    torch.cuda.synchronize()
-    ms, samples = _sustained(lambda: torch.matmul(a, b))
-    return dict(case=f"bf16 GEMM {GEMM_SIZE}^3", pass_="gemm", provider="torch.matmul", ms_per_call=ms,
-                tflops=specs.tflops(2.0 * GEMM_SIZE ** 3, ms), sm_clock_mhz_median=_median(s[0] for s in samples),
-                power_w_median=_median(s[1] for s in samples), samples=len(samples))
+    return dict(case=f"bf16 GEMM {GEMM_SIZE}^3", pass_="gemm", provider="torch.matmul",
+                **_sustained(lambda: torch.matmul(a, b), 2.0 * GEMM_SIZE ** 3))
 
 
 def main(out_path: str) -> None:
@@ -80,14 +79,8 @@ def main(out_path: str) -> None:
             try:
                 ready = bench.prepare_provider(PROVIDERS[provider], problems, {})
                 call = ready.fwd if pass_ == "fwd" else ready.fwd_bwd
-                for _ in range(WARM_UP_CALLS):
-                    call()
-                torch.cuda.synchronize()
-                ms, samples = _sustained(call)
-                flops = bench.case_flops(case, problems[0], "fwd" if pass_ == "fwd" else "fwd+bwd")
-                row.update(ms_per_call=ms, tflops=specs.tflops(flops, ms),
-                           sm_clock_mhz_median=_median(s[0] for s in samples),
-                           power_w_median=_median(s[1] for s in samples), samples=len(samples))
+                row.update(_sustained(call, bench.case_flops(case, problems[0],
+                                                             "fwd" if pass_ == "fwd" else "fwd+bwd")))
             except Exception as exc:  # a provider that cannot run here gets a row that says why
                 row.update(error=bench._error_text(exc))
             print(json.dumps(row), flush=True)
