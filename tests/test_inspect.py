@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 
 from jfa import inspect as jfa_inspect
-from jfa.inspect import KernelCompileError, KernelSpec, inspect
+from jfa.inspect import KernelCompileError, inspect
+from jfa.kernels.spec import KernelSpec
 from tutorials import t01_ws_producer_consumer as t01
 from tutorials import t03_ws_wgmma_gemm as t03
 from tutorials import t04_attention_pingpong as t04

@@ -35,7 +35,7 @@ import triton.language as tl
 import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from jfa.inspect import KernelSpec
+from jfa.kernels.spec import KernelSpec
 from jfa.specs import TMA_ALIGN_BYTES
 
 # Globals read inside a kernel must be constexpr.

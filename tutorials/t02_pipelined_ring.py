@@ -31,7 +31,7 @@ import triton.language as tl
 import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from jfa.inspect import KernelSpec
+from jfa.kernels.spec import KernelSpec
 from jfa.specs import H200_COPY_TBPS, TMA_ALIGN_BYTES
 
 CONSUMER_REGISTERS = tl.constexpr(232)

@@ -35,7 +35,7 @@ import triton.language as tl
 import triton.language.extra.tlx as tlx
 from triton.language.extra.cuda import globaltimer, smid
 
-from jfa.inspect import KernelSpec
+from jfa.kernels.spec import KernelSpec
 from tutorials import check_gemm, gemm_operands
 
 NUM_CONSUMERS = tl.constexpr(2)  # consumer warpgroups, each owning BLOCK_M // 2 output rows

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from jfa.inspect import KernelSpec
+from jfa.kernels.spec import KernelSpec
 from tutorials import check_gemm, gemm_operands
 
 SINGLE_WARP_REGISTERS = tl.constexpr(24)  # the load and MMA warps only issue instructions

@@ -47,7 +47,7 @@ import triton.language as tl
 import triton.language.extra.tlx as tlx
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from jfa.inspect import KernelSpec
+from jfa.kernels.spec import KernelSpec
 from jfa.specs import FWD_TOL
 
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from jfa.inspect import KernelSpec
+from jfa.kernels.spec import KernelSpec
 from tutorials import check_gemm, gemm_operands
 
 NUM_CONSUMERS = tl.constexpr(2)  # consumer warpgroups, each taking every other k-step

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from jfa.inspect import KernelSpec
+from jfa.kernels.spec import KernelSpec
 from jfa.specs import FWD_TOL
 from tutorials import check_matrices, matrix_descriptor
 

@@ -464,7 +464,7 @@ def inspect_spec(direction: str = "fwd", head_dim: int = 128, group: int = 1, dt
 
     ``direction`` is "fwd" or "bwd"; ``rotary`` selects the backward's fused rotary epilogue.
     """
-    from jfa.inspect import KernelSpec
+    from jfa.kernels.spec import KernelSpec
 
     if direction not in ("fwd", "bwd"):
         raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")

@@ -1116,7 +1116,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                  window: int | None = None, broadcast_q: bool = False, dq_mode: str = DEFAULT_DQ_MODE,
                  selection_width: int = 0, max_queries: int = 0, gqa_group: int = 1):
     """Compile-only description of one TLX configuration, for `jfa.inspect.inspect` (no GPU needed)."""
-    from jfa.inspect import KernelSpec
+    from jfa.kernels.spec import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                                dq_mode=dq_mode, selection_width=selection_width, max_queries=max_queries,
@@ -1166,7 +1166,7 @@ def dq_inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, ca
                     window: int | None = None, broadcast_q: bool = False, config: str = "long",
                     selection_width: int = 0):
     """Compile-only description of the deterministic dQ kernel (fp32 partials with broadcast-Q)."""
-    from jfa.inspect import KernelSpec
+    from jfa.kernels.spec import KernelSpec
 
     if config not in DQ_CONFIGS:
         raise ValueError(f"config must be one of {sorted(DQ_CONFIGS)}, got {config!r}")

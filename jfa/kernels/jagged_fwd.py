@@ -807,7 +807,7 @@ def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causa
                  short_kv: bool = False, long_seqs: bool = False, dq: bool = False):
     """Compile-only description of one configuration, for `jfa.inspect.inspect` (no GPU needed);
     `dq` describes the dQ fork (fp32 per-sequence partials with broadcast-Q)."""
-    from jfa.inspect import KernelSpec
+    from jfa.kernels.spec import KernelSpec
 
     constexprs = kernel_config(head_dim, dtype, causal=causal, window=window, broadcast_q=broadcast_q,
                                heads_per_tile=heads_per_tile, entry_major=entry_major,

@@ -227,7 +227,7 @@ def jagged_attention_fwd_sm100(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
 def inspect_spec(head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = False,
                  window: int | None = None, broadcast_q: bool = False):
     """Compile-only description of one configuration for `jfa.inspect.inspect`, target sm_100."""
-    from jfa.inspect import KernelSpec
+    from jfa.kernels.spec import KernelSpec
 
     if dtype not in specs.SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be one of {specs.SUPPORTED_DTYPES}, got {dtype}")
