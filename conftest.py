@@ -42,7 +42,7 @@ def pytest_sessionfinish(session, exitstatus):
     from collections import Counter
     from pathlib import Path
 
-    from jfa.envinfo import environment
+    from jfa.workbench.envinfo import environment
 
     outcomes, args, status = dict(_outcomes), list(session.config.invocation_params.args), int(exitstatus)
     if session.config.getoption("--results-json-append") and Path(path).exists():

@@ -12,8 +12,8 @@ backward). Both versions get the same forward output, LSE and upstream gradient;
 import torch
 from ab_fwd_vs_ref import DEVICE, ab_main
 
-from jfa import bench
 from jfa.kernels import jagged_bwd, jagged_fwd
+from jfa.workbench import bench
 
 
 def run_case(case, versions, rounds):

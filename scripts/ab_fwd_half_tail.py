@@ -1,7 +1,7 @@
 """Half last KV tiles on or off: the jagged forward timed both ways in one process, in rounds that
 alternate which goes first (do_bench medians; the H200's clock moves with its power cap, so only
 same-process alternation compares fairly). Inputs, the fp32 reference check and FLOP counts are the
-benchmark harness's (`jfa.bench`); both variants' outputs are also compared with each other.
+benchmark harness's (`jfa.workbench.bench`); both variants' outputs are also compared with each other.
 
     python scripts/ab_fwd_half_tail.py OUT.json [--rounds N] [--case NAME ...]   (GPU host, .gpu-bundle)
 
@@ -12,8 +12,9 @@ import json
 
 import torch
 
-from jfa import bench, envinfo, specs
+from jfa import specs
 from jfa.kernels import jagged_fwd
+from jfa.workbench import bench, envinfo
 
 DEVICE = "cuda"
 

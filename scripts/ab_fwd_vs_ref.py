@@ -1,7 +1,7 @@
 """This tree's jagged forward against another version of `jfa/kernels/jagged_fwd.py`, timed in one
 process in rounds that alternate which goes first (the H200's clock moves with its power cap, so
 only same-process alternation compares fairly). Inputs, the fp32 reference check and FLOP counts
-are the benchmark harness's (`jfa.bench`); the two versions' outputs are also compared.
+are the benchmark harness's (`jfa.workbench.bench`); the two versions' outputs are also compared.
 
     git show main:jfa/kernels/jagged_fwd.py > /tmp/jagged_fwd_ref.py
     python scripts/ab_fwd_vs_ref.py /tmp/jagged_fwd_ref.py OUT.json [--rounds N] [--suites pma,gem,dense,fp8]
@@ -15,8 +15,9 @@ import os
 
 import torch
 
-from jfa import bench, envinfo, specs
+from jfa import specs
 from jfa.kernels import jagged_fwd
+from jfa.workbench import bench, envinfo
 
 DEVICE = "cuda"
 SUITES = "pma,gem,dense"  # any of specs.BENCH_SUITES whose problems the plain forward call runs (not block kinds)

@@ -14,7 +14,7 @@
 #
 # Bundles that are present are activated: .fa4-part2 (after .fa4-part1/stage.sh staged its library
 # in /tmp, possibly in an earlier call on the same warm machine) and then .gpu-bundle, so the TLX
-# Triton comes first on the path. FlexAttention runs in its own process without them (jfa.bench).
+# Triton comes first on the path. FlexAttention runs in its own process without them (jfa.workbench.bench).
 #
 # Resuming: a suite's file is results/bench-SUITE[-quick].json; when $OUT lacks it and results/ has
 # it (copied back from an earlier call and committed), it is copied to $OUT first and only the
@@ -35,7 +35,7 @@ suites=("$@")
 [ ${#suites[@]} -gt 0 ] || suites=(gem cross pma dense block_sparse fp8 block)
 export PYTHONUNBUFFERED=1
 # SDPA's cuDNN backend takes nested (jagged) tensors only with this switch (forward only; see
-# jfa.providers.CUDNN_NESTED_NO_BACKWARD): without it the cuDNN rows of jagged suites say why not.
+# jfa.workbench.providers.CUDNN_NESTED_NO_BACKWARD): without it the cuDNN rows of jagged suites say why not.
 export TORCH_CUDNN_SDPA_NESTED_TENSOR_ENABLED=1
 
 if [ -f .fa4-part1/stage.sh ]; then source .fa4-part1/stage.sh; fi

@@ -18,8 +18,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from jfa import bench, envinfo, specs
+from jfa import specs
 from jfa.kernels import jagged_bwd, jagged_fwd
+from jfa.workbench import bench, envinfo
 
 Q_LENS = (256, 512, 1024, 2048, 4096)
 KV_LEN = 1024

@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from jfa import bench, envinfo, specs
+from jfa import specs
 from jfa.kernels import jagged_fwd
+from jfa.workbench import bench, envinfo
 
 TIMINGS = 24
 

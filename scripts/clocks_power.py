@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from jfa import bench, envinfo, specs
-from jfa.providers import PROVIDERS
+from jfa import specs
+from jfa.workbench import bench, envinfo
+from jfa.workbench.providers import PROVIDERS
 
 # Each fwd_bwd case has its fwd case too, so the backward alone is their difference.
 CASES = (("fwd", "pma", "q=256,kv<=2048"), ("fwd", "dense", "B=4,H=32,N=4096,D=128"), ("fwd", "gem", "L=2048,s=1.0"),

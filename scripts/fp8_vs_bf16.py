@@ -12,8 +12,9 @@ import sys
 
 import torch
 
-from jfa import bench, specs
+from jfa import specs
 from jfa.kernels import jagged_fwd
+from jfa.workbench import bench
 
 
 def measure(case_name: str) -> dict:

@@ -13,8 +13,9 @@ import sys
 
 import torch
 
-from jfa import bench, envinfo, specs
+from jfa import specs
 from jfa.kernels import jagged_fwd
+from jfa.workbench import bench, envinfo
 
 Q_LEN = 256
 TOTAL_KV_TILES = 9216  # B * n for every fixed-length case: 1152 sequences of 8 KV tiles

@@ -4,7 +4,7 @@ the benchmark's short cases.
 A call whose Python side takes longer than its kernels leaves the GPU waiting, and do_bench then
 times the CPU. Three figures per provider and pass: CPU time to issue the calls without waiting, GPU
 time of the calls queued behind a spin (so the CPU is far ahead), and the do_bench median. The calls
-are the benchmark's own (`jfa.providers`), on its inputs. The forward + backward is timed twice:
+are the benchmark's own (`jfa.workbench.providers`), on its inputs. The forward + backward is timed twice:
 as autograd runs it by default, where the backward's Python runs on autograd's CUDA device thread,
 and with `torch.autograd.set_multithreading_enabled(False)`, where it runs on the calling thread.
 "jfa, triton launch" is jfa with its kernels launched through Triton's own `kernel[grid]` path
@@ -21,9 +21,10 @@ import time
 
 import torch
 
-from jfa import bench, envinfo, specs
+from jfa import specs
 from jfa.kernels import block_attn, jagged_bwd, jagged_fwd
-from jfa.providers import PROVIDERS
+from jfa.workbench import bench, envinfo
+from jfa.workbench.providers import PROVIDERS
 
 CASES = (("gem", "L=256,s=0.5"), ("gem", "L=256,s=1.0"), ("pma", "q=64,kv<=2048"))
 # Calls per measurement: few enough that the launches of one measurement fit CUDA's launch queue

@@ -4,7 +4,7 @@
 (the K/V ring's depth) and CONSUMER_REGISTERS; `jagged_fwd.SHORT_KV_TUNING` may hold another entry for
 the same key, used where keys average at most SHORT_KV_MEAN_LEN per sequence. "current" is the entry a
 case uses; a variant overrides some of its values (in both tables, so in whichever entry the case
-takes). Each case of the named benchmark suites (`jfa.bench` inputs) is timed for the current entry
+takes). Each case of the named benchmark suites (`jfa.workbench.bench` inputs) is timed for the current entry
 and every variant in rounds whose order rotates (the H200's clock moves with its power cap, so only
 same-process rounds compare), and every output is checked against the fp32 reference first. A variant that does not
 compile or launch (e.g. its ring outgrows shared memory) is recorded with its error. Cases that the
@@ -19,8 +19,9 @@ import json
 
 import torch
 
-from jfa import bench, envinfo, specs
+from jfa import specs
 from jfa.kernels import jagged_fwd
+from jfa.workbench import bench, envinfo
 
 CURRENT = "current"
 

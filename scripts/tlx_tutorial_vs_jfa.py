@@ -15,9 +15,9 @@ import sys
 import torch
 from tlx.tutorials import hopper_fa_ws_pipelined_pingpong_persistent as tutorial
 
-from jfa import envinfo
-from jfa.bench import do_bench_median
 from jfa.kernels import jagged_fwd
+from jfa.workbench import envinfo
+from jfa.workbench.bench import do_bench_median
 
 SHAPES = ((4, 32, 4096, 128), (1, 32, 16384, 128), (4, 32, 4096, 64))  # B, H, N, D
 ROUNDS = 4

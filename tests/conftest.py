@@ -1,6 +1,6 @@
 import pytest
 
-from jfa.envinfo import gpu_status
+from jfa.workbench.envinfo import gpu_status
 
 
 def pytest_collection_modifyitems(config, items):

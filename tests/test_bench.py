@@ -1,4 +1,4 @@
-"""CPU tests of jfa.bench: suites, FLOP and byte formulas, the reference check, timing logic, rows,
+"""CPU tests of jfa.workbench.bench: suites, FLOP and byte formulas, the reference check, timing logic, rows,
 resumability, the flex worker plumbing and the command line. Providers and the timer are fakes here;
 the real providers run on the GPU host (scripts/bench_gpu.sh)."""
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from jfa import bench, providers, reference, specs
-from jfa.providers import PROVIDERS, ProviderRun, ProviderUnavailable
+from jfa import reference, specs
+from jfa.workbench import bench, providers
+from jfa.workbench.providers import PROVIDERS, ProviderRun, ProviderUnavailable
 
 FIXTURE = Path(__file__).parent / "data" / "bench_fake_run.json"
 ROW_KEYS = {"suite", "case", "provider", "pass", "ms", "tflops", "ok", "error", "params"}
@@ -497,7 +498,7 @@ def test_isolated_env_drops_the_bundles():
     env = bench.isolated_env({"PYTHONPATH": "/tmp/gpu-site:/tmp/triton-tlx:/repo", "EXTRA_SITE_DIRS": "/tmp/x",
                               "TRITON_PLUGIN_PATHS": "/tmp/libutlx.so", "TRITON_PTXAS_PATH": "/usr/bin/ptxas",
                               "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"})
-    assert env == {"PYTHONPATH": str(bench.REPO_ROOT), "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"}
+    assert env == {"PYTHONPATH": str(bench.IMPORT_ROOT), "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0"}
 
 
 def test_crashing_worker_becomes_error_rows():
@@ -527,7 +528,7 @@ def test_prewarm_option_parses():
 
 
 def test_worker_without_arguments_prints_usage():
-    done = subprocess.run([sys.executable, str(bench.FLEX_WORKER)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", bench.FLEX_WORKER], capture_output=True, text=True,
                           env=bench.isolated_env(), timeout=60)
     assert done.returncode == 2 and "usage" in done.stderr
 

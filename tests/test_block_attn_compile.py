@@ -1,6 +1,6 @@
 """Every block attention kernel configuration compiles for sm_90 into the intended machine code.
 
-No GPU needed: the kernels are compiled with `jfa.inspect` and the PTX is checked for what the
+No GPU needed: the kernels are compiled with `jfa.workbench.inspect` and the PTX is checked for what the
 design promises (wgmma GEMMs, TMA loads into an mbarrier ring, per-role register budgets via
 setmaxnreg) and the shared memory is checked against the SM's capacity.
 """
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from jfa import specs
-from jfa.inspect import inspect
 from jfa.kernels import block_attn
+from jfa.workbench.inspect import inspect
 
 CONFIGS = [
     dict(direction="fwd", head_dim=64),

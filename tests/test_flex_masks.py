@@ -1,4 +1,4 @@
-"""CPU tests of the FlexAttention block masks that jfa.providers builds from the sequence offsets.
+"""CPU tests of the FlexAttention block masks that jfa.workbench.providers builds from the sequence offsets.
 
 The reference is flex's own `create_block_mask`, which evaluates the mask_mod on every (q, k) pair:
 fine for these few hundred rows, minutes for the GEM suite, which is why the provider avoids it. The
@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.nn.attention import flex_attention as flex
 
-from jfa import bench, providers, reference
+from jfa import reference
+from jfa.workbench import bench, providers
 
 TILE = providers.FLEX_SPARSE_BLOCK
 # Lengths around the tile size (and the 64-token block of the block kind), zero included.

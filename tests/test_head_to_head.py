@@ -1,10 +1,11 @@
-"""CPU tests of jfa.head_to_head: alternating rounds, medians, speedups and the bwd subtraction,
+"""CPU tests of jfa.workbench.head_to_head: alternating rounds, medians, speedups and the bwd subtraction,
 with the reference standing in for both providers and a scripted timer (the real run is on the GPU
 host)."""
 import pytest
 
-from jfa import head_to_head, specs
-from jfa.providers import ProviderRun
+from jfa import specs
+from jfa.workbench import head_to_head
+from jfa.workbench.providers import ProviderRun
 from tests.test_bench import FakeTimer, reference_provider, small_case
 
 

@@ -1,11 +1,11 @@
-"""jfa.inspect on the tutorials: compile-only reports, no GPU needed (compiles are cached on disk)."""
+"""jfa.workbench.inspect on the tutorials: compile-only reports, no GPU needed (compiles are cached on disk)."""
 import dataclasses
 
 import pytest
 
-from jfa import inspect as jfa_inspect
-from jfa.inspect import KernelCompileError, inspect
 from jfa.kernels.spec import KernelSpec
+from jfa.workbench import inspect as jfa_inspect
+from jfa.workbench.inspect import KernelCompileError, inspect
 from tutorials import t01_ws_producer_consumer as t01
 from tutorials import t03_ws_wgmma_gemm as t03
 from tutorials import t04_attention_pingpong as t04
@@ -110,7 +110,7 @@ def test_compiler_diagnostic_reaches_the_error():
 
 
 def test_cli_lists_modules_and_inspects_by_prefix(capsys):
-    from jfa.inspect import main
+    from jfa.workbench.inspect import main
 
     assert main([]) == 0
     listing = capsys.readouterr().out
@@ -123,7 +123,7 @@ def test_cli_lists_modules_and_inspects_by_prefix(capsys):
 def test_cli_json_and_errors(capsys):
     import json
 
-    from jfa.inspect import main
+    from jfa.workbench.inspect import main
 
     assert main(["t05", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tmem_columns"] == 128
@@ -139,7 +139,7 @@ def test_sm100_uses_the_host_ptxas_where_the_wheel_lacks_ptxas_blackwell(monkeyp
     import triton
     from triton.knobs import NvidiaTool
 
-    import jfa.inspect as inspect_module
+    import jfa.workbench.inspect as inspect_module
 
     shipped = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     monkeypatch.delenv("TRITON_PTXAS_BLACKWELL_PATH", raising=False)

@@ -15,11 +15,11 @@ import re
 import pytest
 import torch
 
-from jfa import inspect as jinspect
-from jfa.bench import case_lengths
 from jfa import schedule as tile_schedule, specs
 from jfa.kernels import jagged_bwd
 from jfa.reference import visible_mask
+from jfa.workbench import inspect as jinspect
+from jfa.workbench.bench import case_lengths
 
 BF16, FP16 = torch.bfloat16, torch.float16
 SEP, ATOMIC, TMA = "separate", "atomic", "tma_reduce"

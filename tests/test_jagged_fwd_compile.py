@@ -14,11 +14,11 @@ import re
 import pytest
 import torch
 
-from jfa import inspect as jinspect
 from jfa import specs
 from jfa.kernels import jagged_fwd
 from jfa.reference import visible_mask
 from jfa.schedule import build_tile_schedule, clear_cache, kv_tiles_per_entry
+from jfa.workbench import inspect as jinspect
 
 BF16, FP16 = torch.bfloat16, torch.float16
 # (head_dim, dtype, causal, window, broadcast_q, heads_per_tile, half_tail, selection_width, short_kv,

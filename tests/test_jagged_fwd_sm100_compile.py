@@ -12,9 +12,9 @@ import re
 import pytest
 import torch
 
-from jfa import inspect as jinspect
 from jfa import specs
 from jfa.kernels import jagged_fwd_sm100
+from jfa.workbench import inspect as jinspect
 
 CONFIGS = [dict(head_dim=d, dtype=t, causal=c, window=w, broadcast_q=b)
            for d, t, (c, w, b) in itertools.product(

@@ -39,7 +39,7 @@ def test_notebook_is_small_and_has_no_embedded_plotly_js(path):
     assert path.stat().st_size < MAX_NOTEBOOK_BYTES, f"{path.name}: {path.stat().st_size:,} B; strip big outputs"
     text = path.read_text()
     found = [m for m in PLOTLY_JS_MARKERS if m in text]
-    assert not found, f"{path.name} embeds plotly.js ({found}); use jfa.widgets.setup_notebook()"
+    assert not found, f"{path.name} embeds plotly.js ({found}); use jfa.workbench.widgets.setup_notebook()"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -1,4 +1,5 @@
-"""CPU tests of jfa.plots and jfa.report, from the stored fake run (tests/data/bench_fake_run.json)."""
+"""CPU tests of jfa.workbench.plots and jfa.workbench.report, from the stored fake run
+(tests/data/bench_fake_run.json)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jfa import plots, report, specs
+from jfa import specs
+from jfa.workbench import plots, report
 
 FIXTURE = Path(__file__).parent / "data" / "bench_fake_run.json"
 REPORT_MAX_BYTES = 200 * 1024

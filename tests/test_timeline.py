@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from jfa import plots
-from jfa import widgets as jw
-from jfa.inspect import inspect
+from jfa.workbench import plots
+from jfa.workbench import widgets as jw
+from jfa.workbench.inspect import inspect
 from tutorials import t03_ws_wgmma_gemm as t03
 from tutorials import timeline
 

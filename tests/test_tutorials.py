@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jfa.inspect import compile_spec, inspect
+from jfa.workbench.inspect import compile_spec, inspect
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIALS = ["t01_ws_producer_consumer", "t02_pipelined_ring", "t03_ws_wgmma_gemm",

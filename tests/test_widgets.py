@@ -1,10 +1,10 @@
-"""jfa.widgets: the ring simulator, the budget calculator, recorded-results loading, the panels."""
+"""jfa.workbench.widgets: the ring simulator, the budget calculator, recorded-results loading, the panels."""
 import json
 
 import pytest
 
-from jfa import widgets as jw
 from jfa.specs import REGISTERS_PER_SM, SHARED_BYTES_PER_BLOCK, TMEM_COLUMNS
+from jfa.workbench import widgets as jw
 
 
 # ---- ring ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Small standalone TLX kernels that build up, one idea each, to the production kernels in `jfa`.
 
-Each tutorial compiles anywhere (its `inspect_spec()` feeds `jfa.inspect.inspect`) and checks
+Each tutorial compiles anywhere (its `inspect_spec()` feeds `jfa.workbench.inspect.inspect`) and checks
 itself against PyTorch with `run_check()` where the hardware it targets is present.
 """
 
@@ -81,9 +81,9 @@ def check_gemm(gemm, label: str, M: int, N: int, K: int, seed: int) -> None:
 
 
 def main(inspect_spec, run_check, *also_on_gpu, blackwell: bool = False) -> None:
-    """What ``python -m tutorials.tNN`` does: print the kernel's `jfa.inspect` report, then run its
+    """What ``python -m tutorials.tNN`` does: print the kernel's `jfa.workbench.inspect` report, then run its
     self-check and `also_on_gpu` (a benchmark, say) where its GPU is present, or say why not."""
-    from jfa.inspect import inspect
+    from jfa.workbench.inspect import inspect
 
     if blackwell:
         print("compiled for sm_100, not run here\n")

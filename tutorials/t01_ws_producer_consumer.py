@@ -96,7 +96,7 @@ def scale_tiles(x: torch.Tensor, scale: float, out: torch.Tensor | None = None,
 
 
 def inspect_spec(**cfg) -> KernelSpec:
-    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect`."""
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.workbench.inspect.inspect`."""
     cfg = DEFAULT_CONFIG | cfg
     return KernelSpec(
         fn=scale_tiles_kernel,

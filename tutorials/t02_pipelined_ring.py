@@ -89,7 +89,7 @@ def row_sums(x: torch.Tensor, out: torch.Tensor | None = None, **cfg) -> torch.T
 
 
 def inspect_spec(**cfg) -> KernelSpec:
-    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect`."""
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.workbench.inspect.inspect`."""
     cfg = DEFAULT_CONFIG | cfg
     return KernelSpec(
         fn=row_sums_kernel,
@@ -123,7 +123,7 @@ def bench(n_rows: int = 8192, n_cols: int = 32768) -> dict:
 
 
 if __name__ == "__main__":
-    from jfa.inspect import inspect
+    from jfa.workbench.inspect import inspect
     from tutorials import main
 
     for depth in BENCH_DEPTHS:

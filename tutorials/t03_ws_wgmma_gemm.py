@@ -147,7 +147,8 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
 
 
 def inspect_spec(RECORD: bool = False, **cfg) -> KernelSpec:
-    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect`; RECORD adds the stamps."""
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.workbench.inspect.inspect`; RECORD adds
+    the stamps."""
     cfg = DEFAULT_CONFIG | cfg
     half_m = cfg["BLOCK_M"] // NUM_CONSUMERS.value
     # Without RECORD the timeline pointer is a compile-time None: not even a kernel parameter remains.

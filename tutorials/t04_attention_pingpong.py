@@ -140,7 +140,7 @@ def attention_fwd(q, k, v, out=None, sm_scale=None, **cfg):
 
 
 def inspect_spec(**cfg) -> KernelSpec:
-    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect`."""
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.workbench.inspect.inspect`."""
     cfg = DEFAULT_CONFIG | cfg
     rows, d, n = ROWS_PER_CONSUMER.value, cfg["HEAD_DIM"], cfg["BLOCK_N"]
     roles = ("producer", "consumer0", "consumer1") if cfg["PINGPONG"] else ("producer", "consumer")

@@ -89,7 +89,7 @@ def tmem_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
 
 
 def inspect_spec(**cfg) -> KernelSpec:
-    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect` on sm_100."""
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.workbench.inspect.inspect` on sm_100."""
     cfg = DEFAULT_CONFIG | cfg
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     return KernelSpec(

@@ -150,7 +150,7 @@ def tmem_attention(q, k, v, out=None, sm_scale=None, **cfg):
 
 
 def inspect_spec(**cfg) -> KernelSpec:
-    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect` on sm_100."""
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.workbench.inspect.inspect` on sm_100."""
     cfg = DEFAULT_CONFIG | cfg
     m, d, n = BLOCK_M.value, cfg["HEAD_DIM"], cfg["BLOCK_N"]
     return KernelSpec(

@@ -92,7 +92,7 @@ def split_k_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = No
 
 
 def inspect_spec(**cfg) -> KernelSpec:
-    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.inspect.inspect`."""
+    """The kernel at `cfg` (defaults: DEFAULT_CONFIG), ready for `jfa.workbench.inspect.inspect`."""
     cfg = DEFAULT_CONFIG | cfg
     return KernelSpec(
         fn=split_k_gemm_kernel,

@@ -100,7 +100,7 @@ def chain(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, out: torch.Tensor |
 
 
 def inspect_spec(K: int = 128) -> KernelSpec:
-    """The kernel with A's inner dimension `K`, ready for `jfa.inspect.inspect`."""
+    """The kernel with A's inner dimension `K`, ready for `jfa.workbench.inspect.inspect`."""
     width = NUM_CONSUMERS.value * HALF.value
     return KernelSpec(
         fn=chain_kernel,

@@ -17,7 +17,7 @@ store, so a recorded run is slightly slower than a plain one.
 How. ``record()`` runs the RECORD kernel on fresh random inputs (checked against fp32 torch), turns
 the stamps of a few CTAs into Gantt records relative to the kernel's first stamp, in microseconds,
 and ``save()`` writes ``results/t03-timeline-<date>.json`` with the environment block, which
-notebook 01 plots with ``jfa.plots.warp_timeline`` where no GPU is present. Records are the busy
+notebook 01 plots with ``jfa.workbench.plots.warp_timeline`` where no GPU is present. Records are the busy
 phases (the producer issuing a k-step's TMA loads, a consumer's MMA, its epilogue): a gap in a
 role's row is time spent waiting on a barrier, listed separately under ``waits``.
 
@@ -167,7 +167,7 @@ def record(M: int = DEFAULT_PROBLEM["M"], N: int = DEFAULT_PROBLEM["N"], K: int 
 
 def save(doc: dict, results_dir: str | Path = "results") -> Path:
     """Write `doc` with the environment block as results_dir/t03-timeline-<UTC date>.json; return the path."""
-    from jfa.envinfo import environment
+    from jfa.workbench.envinfo import environment
 
     env = environment()
     stamp = dt.datetime.fromisoformat(env["date"]).strftime("%Y%m%dT%H%M%SZ")

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from jfa import bench, specs
+from jfa import specs
+from jfa.workbench import bench
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timing]  # the benchmark subtracts medians
 

@@ -105,7 +105,7 @@ def test_both_kernels_compute_the_product(recorded):
 
 @pytest.mark.gpu
 def test_module_main_writes_a_timeline_the_notebook_finds(tmp_path):
-    from jfa import widgets as jw
+    from jfa.workbench import widgets as jw
 
     assert timeline.main(["--out", str(tmp_path)]) == 0
     found = jw.newest_recorded("t03-timeline-*.json", results_dir=tmp_path)

@@ -1,15 +1,15 @@
 """jfa against its peers, interleaved in one process, so all see the same GPU state.
 
 Why: on the H200 the same kernel timed in one process moved by up to 13% between the first and a
-later measurement (clocks fall as the GPU heats; `results/README`). `jfa.bench` times each provider
+later measurement (clocks fall as the GPU heats; `results/README`). `jfa.workbench.bench` times each provider
 of a case once, one after the other, and rows re-measured in a later run (`--rerun`) were timed
 in another thermal state than the peers' rows. Here every case is timed in rounds, the provider
 order rotating per round (jfa, fa4, fa2 / fa4, fa2, jfa / fa2, jfa, fa4 / ...; with one peer that
 alternates), and each provider's median over the rounds is reported with the spread, with jfa's
 speedup over each peer and over the faster peer of each pass (the issues' "no shape slower than the
-faster of FA2 and FA4"). Timings, inputs, checks and FLOP counts are `jfa.bench`'s.
+faster of FA2 and FA4"). Timings, inputs, checks and FLOP counts are `jfa.workbench.bench`'s.
 
-    python -m jfa.head_to_head OUT.json [--peer fa4[,fa2]] [--suites gem,pma,dense] [--rounds 3]
+    python -m jfa head-to-head OUT.json [--peer fa4[,fa2]] [--suites gem,pma,dense] [--rounds 3]
 """
 import argparse
 import json
@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from jfa import bench, envinfo, specs
-from jfa.providers import ISOLATED_PROVIDERS, PROVIDERS
+from jfa import specs
+from jfa.workbench import bench, envinfo
+from jfa.workbench.providers import ISOLATED_PROVIDERS, PROVIDERS
 
 COMPARED_PASSES = ("fwd", "bwd")  # backward time = fwd+bwd - fwd
 
@@ -163,7 +164,7 @@ def target_demand_markdown(report: dict, targets: dict, ceilings: dict, peer: st
 
 def _peer_list(text: str) -> list[str]:
     """`--peer`: one peer or a comma-separated list, each timed in jfa's process (not FlexAttention,
-    which runs in its own: `jfa.bench`)."""
+    which runs in its own: `jfa.workbench.bench`)."""
     choices = [p for p in specs.BENCH_PROVIDERS if p != "jfa" and p not in ISOLATED_PROVIDERS]
     peers = [p for p in text.split(",") if p]
     unknown = [p for p in peers if p not in choices]

@@ -3,7 +3,7 @@
 A run takes suites from `jfa.specs.BENCH_SUITES` (shapes only), builds the tensors here (lengths from
 `jfa.jagged.gem_lengths`), and for each (case, provider):
 
-1. builds the provider on every input set (`jfa.providers`); an unavailable provider becomes a row
+1. builds the provider on every input set (`jfa.workbench.providers`); an unavailable provider becomes a row
    with `ok: false` and the reason, never a crash;
 2. checks its output against the fp32 reference (`jfa.reference`) on a subset of sequences and
    records how many rows were compared (`checked_rows`); a wrong output is a failed row too;
@@ -13,7 +13,7 @@ A run takes suites from `jfa.specs.BENCH_SUITES` (shapes only), builds the tenso
    killed) resumes where it was: (suite, case, provider, pass) rows already present are skipped.
 
 FlexAttention needs the Triton that torch ships, not the TLX build on this process's path, so it runs
-in `scripts/flex_worker.py` with a cleaned environment and sends its rows back as JSON.
+in `jfa.workbench.flex_worker` with a cleaned environment and sends its rows back as JSON.
 """
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ from typing import Callable, Iterable, TextIO
 import torch
 
 from jfa import specs
-from jfa.providers import ISOLATED_PROVIDERS, PROVIDERS, ProviderRun, ProviderUnavailable
+from jfa.workbench.providers import ISOLATED_PROVIDERS, PROVIDERS, ProviderRun, ProviderUnavailable
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-FLEX_WORKER = REPO_ROOT / "scripts" / "flex_worker.py"
+# The worker runs as `python -m FLEX_WORKER` in IMPORT_ROOT, the directory this jfa was imported from (a
+# checkout or site-packages), with only that directory on its PYTHONPATH: it imports this same jfa.
+FLEX_WORKER = "jfa.workbench.flex_worker"
+IMPORT_ROOT = Path(__file__).resolve().parents[2]
 # Environment the TLX bundles add (.gpu-bundle/activate.sh, .fa4-part2/activate.sh): a worker that
 # must see torch's own Triton starts without them.
 BUNDLE_ENV_VARS = ("EXTRA_SITE_DIRS", "TRITON_PLUGIN_PATHS", "TRITON_PTXAS_PATH", "TRITON_CUOBJDUMP_PATH",
@@ -483,9 +485,9 @@ def compile_case_in_process(case: dict, provider: str, device="cuda", registry: 
 
 # ---- FlexAttention in its own process ------------------------------------------------------------------
 def isolated_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment without the TLX/FA4 bundles: only the repository on PYTHONPATH."""
+    """This environment without the TLX/FA4 bundles: only IMPORT_ROOT on PYTHONPATH."""
     env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in BUNDLE_ENV_VARS}
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONPATH"] = str(IMPORT_ROOT)
     return env
 
 
@@ -494,22 +496,22 @@ class WorkerTimeout(RuntimeError):
 
 
 def _run_worker(job: dict, timeout_s: float | None, python: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """scripts/flex_worker.py on `job`, in the cleaned environment: (the process, its JSON or None).
+    """`jfa.workbench.flex_worker` on `job`, in the cleaned environment: (the process, its JSON or None).
 
     Raises subprocess.TimeoutExpired when it runs past `timeout_s`.
     """
     with tempfile.TemporaryDirectory(prefix="jfa-worker-") as tmp:
         spec, out = Path(tmp) / "job.json", Path(tmp) / "rows.json"
         spec.write_text(json.dumps(job))
-        done = subprocess.run([python, str(FLEX_WORKER), str(spec), str(out)], env=isolated_env(),
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run([python, "-m", FLEX_WORKER, str(spec), str(out)], env=isolated_env(),
+                              cwd=IMPORT_ROOT, capture_output=True, text=True, timeout=timeout_s)
         result = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else None
     return done, result
 
 
 def measure_case_isolated(case: dict, provider: str, passes: list[str], timeout_s: float | None,
                           python: str = sys.executable) -> list[dict]:
-    """Run one provider on one case in scripts/flex_worker.py; a crash becomes failed rows."""
+    """Run one provider on one case in `jfa.workbench.flex_worker`; a crash becomes failed rows."""
     try:
         done, result = _run_worker({"case": case, "provider": provider, "passes": passes}, timeout_s, python)
     except subprocess.TimeoutExpired:
@@ -654,7 +656,7 @@ def run_bench(suites: list[str], providers: list[str], passes: list[str], out: P
     rows of these suites, providers and passes that other code recorded (after a kernel change).
     """
     if env is None:
-        from jfa.envinfo import environment
+        from jfa.workbench.envinfo import environment
         env = environment()
     registry = PROVIDERS if registry is None else registry
     results = ResultsFile(out, env)

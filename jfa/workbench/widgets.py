@@ -45,7 +45,7 @@ def setup_notebook() -> None:
 # ==== the environment ===========================================================================
 def live_gpu() -> bool:
     """True where the sm_90 TLX kernels can run here; elsewhere the notebooks show recorded runs."""
-    from jfa.envinfo import gpu_status
+    from jfa.workbench.envinfo import gpu_status
 
     return gpu_status()[0]
 
@@ -55,7 +55,7 @@ ENV_KEYS = ("python", "torch", "cuda", "triton", "tlx", "fa4", "gpu", "sm", "dri
 
 def environment_markdown() -> str:
     """Versions, the GPU, and what runs live here versus what is shown from recorded runs."""
-    from jfa.envinfo import environment, gpu_status, tlx_status
+    from jfa.workbench.envinfo import environment, gpu_status, tlx_status
 
     env = environment()
     tlx_ok, tlx_why = tlx_status()
@@ -79,7 +79,7 @@ def results_dir() -> Path:
 def save_recording(kind: str, payload: dict, directory: Path | None = None) -> Path:
     """Write `<directory>/<kind>-<UTC stamp>.json`: the payload next to the environment block that
     produced it, so a notebook run on the GPU host leaves a recording the CPU notebooks can show."""
-    from jfa.envinfo import environment
+    from jfa.workbench.envinfo import environment
 
     directory = results_dir() if directory is None else Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -382,7 +382,7 @@ def attention_budget(cfg: AttentionConfig) -> list[BudgetLine]:
     """Shared memory, registers and (sm_100) tensor memory that `cfg` needs, against the hardware limits.
 
     A first-order count: tiles, rings and barriers, not the compiler's scratch space; the
-    compile-only inspection (`jfa.inspect`) gives the exact numbers for a real kernel.
+    compile-only inspection (`jfa.workbench.inspect`) gives the exact numbers for a real kernel.
     """
     cfg.validate()
     def tile(rows: int, cols: int) -> int:
@@ -587,7 +587,7 @@ def t02_sweep_panel():
     return panel(controls, render)
 
 
-# ==== benchmark results (jfa.bench rows) ========================================================
+# ==== benchmark results (jfa.workbench.bench rows) ==============================================
 BENCH_PATTERN = "bench-*.json"
 
 
@@ -643,7 +643,7 @@ def bench_panel(rec: Recorded, suite: str):
     """Pass and providers as controls; the TFLOP/s bars of the recorded suite below."""
     import ipywidgets
 
-    from jfa.plots import tflops_bar
+    from jfa.workbench.plots import tflops_bar
 
     rows = rec.doc.get("rows", [])
     passes = [p for p in ("fwd", "bwd", "fwd+bwd") if measured_providers(rows, suite, p)]
@@ -719,7 +719,7 @@ def gem_sweep_panel():
     """L and s (and B, H, D where a live GPU can measure them) as controls; TFLOP/s of every provider."""
     import ipywidgets
 
-    from jfa.plots import tflops_bar
+    from jfa.workbench.plots import tflops_bar
     from jfa.specs import BENCH_SUITES, GEM_BATCH, GEM_HEAD_DIM, GEM_HEADS
 
     cases = BENCH_SUITES["gem"]
@@ -798,10 +798,10 @@ _FIRST_RUN_DQ_COLUMNS = {"bwd_ms": "atomic", "bwd_deterministic_ms": "separate"}
 
 
 def dq_strategy_rows(doc: dict) -> list[dict]:
-    """A bwd-timing file's backward timings as jfa.bench rows: one per case and dQ strategy.
+    """A bwd-timing file's backward timings as jfa.workbench.bench rows: one per case and dQ strategy.
 
     The file's case "gem L=256,s=0.5" becomes suite "gem", case "L=256,s=0.5" (the bench suites'
-    names), and the provider is the strategy's label, so jfa.plots draws them next to the peers.
+    names), and the provider is the strategy's label, so jfa.workbench.plots draws them next to the peers.
     """
     rows = []
     for timing in doc.get("rows", []):

@@ -1,15 +1,15 @@
 """Run one benchmark job for an isolated provider (FlexAttention) and write its rows as JSON.
 
-    python scripts/flex_worker.py JOB.json ROWS.json
+    python -m jfa.workbench.flex_worker JOB.json ROWS.json
 
 JOB.json is {"case": <a case dict of jfa.specs.BENCH_SUITES>, "provider": "flex", "passes": [...]}.
-ROWS.json receives {"rows": [...], "triton": "<version>"} in the row format of jfa.bench.
+ROWS.json receives {"rows": [...], "triton": "<version>"} in the row format of jfa.workbench.bench.
 With "compile_only": true the job only runs the provider once (filling the compile caches for a
-later timed job, see `jfa.bench.warm_isolated`) and ROWS.json gets no rows.
+later timed job, see `jfa.workbench.bench.warm_isolated`) and ROWS.json gets no rows.
 
-`jfa.bench` starts this with the TLX bundles removed from the environment, so `import triton` here is
-the Triton that torch ships, the one FlexAttention's compiled kernels are written for. Every row says
-which Triton produced it (params.triton), since the results file's env block names the TLX one.
+`jfa.workbench.bench` starts this with the TLX bundles removed from the environment, so `import triton`
+here is the Triton that torch ships, the one FlexAttention's compiled kernels are written for. Every row
+says which Triton produced it (params.triton), since the results file's env block names the TLX one.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-USAGE = "usage: python scripts/flex_worker.py JOB.json ROWS.json"
+USAGE = "usage: python -m jfa.workbench.flex_worker JOB.json ROWS.json"
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     job = json.loads(job_path.read_text())
     import triton
 
-    from jfa import bench
+    from jfa.workbench import bench
 
     if job.get("compile_only"):
         bench.compile_case_in_process(job["case"], job["provider"])

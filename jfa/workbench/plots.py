@@ -2,7 +2,7 @@
 
 Every function takes plain data (rows of a results JSON, or small record lists) and returns a
 `plotly.graph_objects.Figure`, so it works from stored JSON on a machine without a GPU. Rows are the
-`jfa.bench` format: {"suite", "case", "provider", "pass", "ms", "tflops", "ok", "error", "params"}.
+`jfa.workbench.bench` format: {"suite", "case", "provider", "pass", "ms", "tflops", "ok", "error", "params"}.
 """
 from __future__ import annotations
 

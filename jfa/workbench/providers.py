@@ -1,6 +1,6 @@
 """Benchmark providers: one builder per attention implementation, all fed the same `Problem`.
 
-A builder takes one input set (`jfa.bench.Problem`) and returns a `ProviderRun`: a `forward` closure
+A builder takes one input set (`jfa.workbench.bench.Problem`) and returns a `ProviderRun`: a `forward` closure
 that launches the provider's kernel on tensors prepared outside the timed region, a `to_packed`
 function that turns its raw output into the packed `[T_out, H, D]` layout of the reference, and the
 leaf tensors whose gradients the backward fills. A builder that cannot serve the problem raises
@@ -22,7 +22,7 @@ import torch
 from jfa import specs
 
 if TYPE_CHECKING:
-    from jfa.bench import Problem
+    from jfa.workbench.bench import Problem
 
 # Kinds a peer's varlen API covers directly. Block attention rides on it too: every 64-token block
 # is handed over as its own sequence (the problem carries the block offsets).
@@ -412,7 +412,7 @@ def _flex_sequences(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def build_flex(problem: Problem) -> ProviderRun:
-    """FlexAttention with a document mask; run only by scripts/flex_worker.py (stock Triton)."""
+    """FlexAttention with a document mask; run only by `jfa.workbench.flex_worker` (stock Triton)."""
     _require_kind(problem, "flex", ("jagged", "pma", "dense", "block", "block_sparse"))
     flex = _import("torch.nn.attention.flex_attention", "flex")
     q_src, q_offsets, kv_offsets, notes = _flex_sequences(problem)
@@ -445,6 +445,6 @@ PROVIDERS: dict[str, Callable[[Problem], ProviderRun]] = {
     "sdpa_flash": build_sdpa_flash,
 }
 # FlexAttention compiles with the Triton that torch ships; the TLX Triton on the bench process's
-# path would shadow it, so these run in scripts/flex_worker.py with a cleaned environment.
+# path would shadow it, so these run in `jfa.workbench.flex_worker` with a cleaned environment.
 ISOLATED_PROVIDERS = frozenset({"flex"})
 assert tuple(PROVIDERS) == specs.BENCH_PROVIDERS, "specs.BENCH_PROVIDERS and the registry must agree"

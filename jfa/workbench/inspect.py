@@ -139,7 +139,7 @@ def inspect(spec: KernelSpec, target: str | None = None, want_ptx: bool = False,
     (naming the kernel, the target and the compiler's diagnostic) when Triton rejects the kernel.
     """
     if not isinstance(spec, KernelSpec):
-        raise TypeError(f"spec must be a jfa.inspect.KernelSpec (from a module's inspect_spec()), "
+        raise TypeError(f"spec must be a jfa.kernels.spec.KernelSpec (from a module's inspect_spec()), "
                         f"got {type(spec).__name__}")
     target = spec.target if target is None else target
     if target not in INSPECT_TARGETS:
@@ -358,7 +358,7 @@ def _allocate_warp_groups(ttgir: str, target: str) -> str:
     module.context = context
     manager = ir.pass_manager(context)
     passes.ttgpuir.add_allocate_warp_groups(manager, False)
-    manager.run(module, "jfa.inspect")
+    manager.run(module, "jfa.workbench.inspect")
     return module.str_nodebug()
 
 

@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from jfa import plots, specs
+from jfa import specs
+from jfa.workbench import plots
 
 ENV_KEYS = ("gpu", "sm", "driver", "cuda", "torch", "triton", "tlx", "fa4", "python", "commit", "date", "host")
 # auto-fill, not auto-fit: a figure is drawn as soon as it is parsed, and with auto-fit the first one
@@ -103,7 +104,7 @@ def suite_section(suite: str, rows: list[dict], figure) -> str:
 
 
 def env_section(results: list[tuple[Path, dict]]) -> str:
-    """One line per run that wrote rows: the file's first run, then each resumed run (jfa.bench)."""
+    """One line per run that wrote rows: the file's first run, then each resumed run (jfa.workbench.bench)."""
     body = []
     for path, data in results:
         body.append([Path(path).name] + [data["env"].get(k) for k in ENV_KEYS])
