@@ -37,10 +37,43 @@ OFFSET_DTYPES = (torch.int32, torch.int64)
 
 # ---- offsets -------------------------------------------------------------------------------------
 def lengths_to_offsets(lengths, device=None) -> torch.Tensor:
-    """int32 [B+1] offsets (0, then running sums) from per-sequence lengths (list or tensor)."""
-    lengths = torch.as_tensor(lengths, dtype=torch.int64, device=device)
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=lengths.device)
-    offsets[1:] = torch.cumsum(lengths, 0)
+    """int32 [B+1] offsets (0, then running sums) from B per-sequence lengths, on `device` (default:
+    the lengths' own device).
+
+    `lengths` is a 1-D integer tensor, or a sequence (list, tuple, numpy array) of ints. Each length
+    must be >= 0 and the total must fit int32 offsets. Floating-point and bool lengths are rejected,
+    whole-valued floats too: a length counts rows, and rounding it silently would hide the
+    arithmetic that made it a float. Checking the values reads one three-number summary, a device
+    sync for lengths on the GPU.
+    """
+    if isinstance(lengths, (list, tuple)) and any(isinstance(n, bool) for n in lengths):
+        raise TypeError("lengths: contains bools; pass one integer row count per sequence")
+    try:
+        values = torch.as_tensor(lengths, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"lengths: expected a 1-D integer tensor or a sequence of ints ({exc}); "
+                        "pass one integer row count per sequence") from None
+    if values.ndim != 1:
+        raise ValueError(f"lengths: expected a 1-D sequence of B lengths, got shape {tuple(values.shape)}; "
+                         "pass one length per sequence (flatten it if it is nested)")
+    if values.numel() == 0 and not isinstance(lengths, torch.Tensor):
+        values = values.to(torch.int64)  # torch.as_tensor([]) is float32: an empty list is zero sequences
+    if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
+        raise TypeError(f"lengths: dtype {values.dtype} is not an integer type; lengths count rows, so pass "
+                        "integers (whole-valued floats: .round().long())")
+    values = values.to(torch.int64)
+    offsets = torch.zeros(values.numel() + 1, dtype=torch.int64, device=values.device)
+    torch.cumsum(values, 0, out=offsets[1:])
+    if values.numel():
+        smallest, largest, total = torch.stack((*torch.aminmax(values), offsets[-1])).tolist()
+        if smallest < 0:
+            index = int(torch.nonzero(values < 0)[0, 0])
+            raise ValueError(f"lengths: length {int(values[index])} at index {index} is negative; every "
+                             "sequence has >= 0 rows (0 is an empty sequence)")
+        if largest > specs.INT32_MAX or total > specs.INT32_MAX:  # a huge length can wrap the int64 sum
+            total = sum(values.tolist())
+            raise ValueError(f"lengths: {total} rows in total exceed int32 offsets ({specs.INT32_MAX}); "
+                             "split the batch into smaller ones")
     return offsets.to(torch.int32)
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from jfa import jagged
+from jfa import jagged, specs
 
 
 def test_lengths_offsets_round_trip_with_empty_sequences():
@@ -12,6 +12,36 @@ def test_lengths_offsets_round_trip_with_empty_sequences():
     assert offsets.tolist() == [0, 3, 3, 8, 8, 9]
     assert jagged.offsets_to_lengths(offsets).tolist() == lengths
     assert jagged.lengths_to_offsets([]).tolist() == [0]
+
+
+def test_lengths_to_offsets_accepts_integer_tensors_arrays_and_tuples():
+    import numpy as np
+    for lengths in (torch.tensor([3, 0, 2], dtype=torch.uint8), np.array([3, 0, 2]), (3, 0, 2)):
+        assert jagged.lengths_to_offsets(lengths).tolist() == [0, 3, 3, 5]
+    assert jagged.lengths_to_offsets(torch.zeros(0, dtype=torch.int32)).tolist() == [0]
+    assert jagged.lengths_to_offsets([specs.INT32_MAX]).tolist() == [0, specs.INT32_MAX]
+
+
+BAD_LENGTHS = [
+    # (case id, lengths, expected exception, what the message says after "lengths: ")
+    ("negative", [5, -2, 3], ValueError, r"length -2 at index 1 is negative"),
+    ("fractional", [5, 2.5], TypeError, r"dtype torch.float32 is not an integer type.*\.round\(\)\.long\(\)"),
+    ("whole-valued-float-tensor", torch.tensor([5.0, 3.0], dtype=torch.float64), TypeError,
+     "dtype torch.float64 is not an integer type"),
+    ("bool-tensor", torch.tensor([True, False]), TypeError, "dtype torch.bool is not an integer type"),
+    ("bool-in-list", [True, 3], TypeError, "contains bools"),
+    ("2-d", [[1, 2], [3, 4]], ValueError, r"expected a 1-D sequence of B lengths, got shape \(2, 2\)"),
+    ("scalar", 5, ValueError, r"expected a 1-D sequence of B lengths, got shape \(\)"),
+    ("not-numbers", ["a", "b"], TypeError, "expected a 1-D integer tensor or a sequence of ints"),
+    ("total-past-int32", [specs.INT32_MAX, 1], ValueError, "2147483648 rows in total exceed int32 offsets"),
+    ("sum-wraps-int64", torch.tensor([2**62] * 4), ValueError, f"{2**64} rows in total exceed int32 offsets"),
+]
+
+
+@pytest.mark.parametrize("lengths,error,message", [case[1:] for case in BAD_LENGTHS], ids=[c[0] for c in BAD_LENGTHS])
+def test_lengths_to_offsets_rejects_bad_lengths(lengths, error, message):
+    with pytest.raises(error, match="^lengths: " + message):
+        jagged.lengths_to_offsets(lengths)
 
 
 def test_nested_round_trip_from_both_constructors():
