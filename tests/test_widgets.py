@@ -1,10 +1,13 @@
 """jfa.workbench.widgets: the ring simulator, the budget calculator, recorded-results loading, the panels."""
 import json
+from pathlib import Path
 
 import pytest
 
 from jfa.specs import REGISTERS_PER_SM, SHARED_BYTES_PER_BLOCK, TMEM_COLUMNS
 from jfa.workbench import widgets as jw
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # the checkout's recorded runs
 
 
 # ---- ring ---------------------------------------------------------------------------------------
@@ -154,24 +157,31 @@ def test_newest_recorded_filters_on_the_document(tmp_path):
 def test_recorded_tests_text_reports_outcomes_or_says_nothing_was_recorded(tmp_path):
     rec = jw.Recorded(_write(tmp_path / "gpu-tests-1.json", "2026-06-01",
                              tests=[{"test": "tests/gpu/test_tutorials.py::test_run[t01]", "outcome": "passed",
-                                     "seconds": 1.5}]), None, False)
+                                     "seconds": 1.5}]), None, False, tmp_path)
     rec.doc = json.loads(rec.path.read_text())
     assert "passed   tests/gpu/test_tutorials.py::test_run[t01]" in jw.recorded_tests_text(rec, "t01")
     assert jw.recorded_tests_text(rec, "t09").startswith(jw.NO_RECORDING)
     assert jw.recorded_tests_text(None, "t01").startswith(jw.NO_RECORDING)
 
 
-def test_save_recording_round_trips_with_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("JFA_RESULTS_DIR", str(tmp_path))
-    path = jw.save_recording("t02-ring-sweep", {"rows": [{"NUM_STAGES": 2, "tbps": 1.0}]})
+def test_save_recording_round_trips_with_the_environment(tmp_path):
+    path = jw.save_recording("t02-ring-sweep", {"rows": [{"NUM_STAGES": 2, "tbps": 1.0}]}, tmp_path)
     assert path.parent == tmp_path
     found = jw.newest_recorded("t02-ring-sweep-*.json", results_dir=tmp_path)
     assert found.doc["rows"][0]["NUM_STAGES"] == 2 and "torch" in found.env
+    assert found.where == Path(tmp_path.name) / path.name
+
+
+def test_recordings_go_where_jfa_results_dir_says(tmp_path, monkeypatch):
+    monkeypatch.delenv("JFA_RESULTS_DIR", raising=False)
+    assert jw.recordings_dir(tmp_path) == tmp_path
+    monkeypatch.setenv("JFA_RESULTS_DIR", str(tmp_path / "out"))
+    assert jw.recordings_dir(tmp_path) == tmp_path / "out"
 
 
 def test_the_shipped_fixture_is_labeled_and_has_no_jfa_numbers():
-    rec = jw.newest_recorded("bench-*.json", results_dir=jw.RESULTS_DIR / "no-such-dir",
-                             recorded_dir=jw.RECORDED_DIR)
+    rec = jw.newest_recorded("bench-*.json", results_dir=RESULTS / "no-such-dir",
+                             recorded_dir=RESULTS / jw.RECORDED_SUBDIR)
     assert rec is not None and rec.is_fixture and rec.doc["source"]
     assert all(r["provider"] != "jfa" for r in rec.doc["rows"])
     summary = jw.experiment_summary_markdown(rec, "gem", "fwd", ["jfa", "fa2", "fa4"])
@@ -250,7 +260,7 @@ def test_dq_strategy_rows_maps_the_first_runs_columns():
 
 
 def test_the_committed_bwd_timing_recording_is_labeled():
-    rec = jw.newest_recorded(jw.BWD_TIMING_PATTERN)
+    rec = jw.newest_recorded(jw.BWD_TIMING_PATTERN, RESULTS)
     assert rec is not None and not rec.is_fixture
     assert rec.env["gpu"] == "NVIDIA H200" and rec.env["commit"] and rec.env["date"] and rec.doc["source"]
     line = jw.recording_line(rec)

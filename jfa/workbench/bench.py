@@ -761,7 +761,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU; on this machine render recorded runs with "
-              "`python -m jfa report results/*.json -o results/report.html`", file=sys.stderr)
+              "`python -m jfa report RUN.json ... -o REPORT.html`", file=sys.stderr)
         return 2
     try:
         complete = run_bench(args.suite, args.providers, args.passes, args.out, quick=args.quick,

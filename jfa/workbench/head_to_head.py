@@ -1,9 +1,9 @@
 """jfa against its peers, interleaved in one process, so all see the same GPU state.
 
 Why: on the H200 the same kernel timed in one process moved by up to 13% between the first and a
-later measurement (clocks fall as the GPU heats; `results/README`). `jfa.workbench.bench` times each provider
-of a case once, one after the other, and rows re-measured in a later run (`--rerun`) were timed
-in another thermal state than the peers' rows. Here every case is timed in rounds, the provider
+later measurement (clocks fall as the GPU heats). `jfa.workbench.bench` times each provider of a case
+once, one after the other, and rows re-measured in a later run (`--rerun`) were timed in another
+thermal state than the peers' rows. Here every case is timed in rounds, the provider
 order rotating per round (jfa, fa4, fa2 / fa4, fa2, jfa / fa2, jfa, fa4 / ...; with one peer that
 alternates), and each provider's median over the rounds is reported with the spread, with jfa's
 speedup over each peer and over the faster peer of each pass (the issues' "no shape slower than the
@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -174,9 +173,9 @@ def _peer_list(text: str) -> list[str]:
     return peers
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out", type=Path)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jfa head-to-head", description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path, help="the report JSON to write (rewritten after every case)")
     parser.add_argument("--peer", default=["fa4"], type=_peer_list, help="fa4, or several: fa4,fa2")
     parser.add_argument("--suites", default="gem,pma,dense")
     parser.add_argument("--rounds", type=int, default=3)
@@ -200,6 +199,3 @@ def main(argv=None) -> int:
             if speeds else f"FAILED {row['error'][:120]}") + f"  ({time.monotonic() - started:.0f} s)", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m jfa report results/*.json -o results/report.html`: one self-contained HTML page.
+"""`python -m jfa report RUN.json [RUN.json ...] -o REPORT.html`: one self-contained HTML page.
 
 Per suite: TFLOP/s per case and provider for each pass, the speedup of jfa over each peer, and a
 roofline (the bf16 GEMM ceiling and the copy-bandwidth roof at the case's arithmetic intensity). Then
@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jfa report",
                                      description="Render jfa bench results JSON files as one HTML page.")
     parser.add_argument("results", nargs="+", type=Path, help="results JSON files written by `python -m jfa bench`")
-    parser.add_argument("-o", "--output", type=Path, default=Path("results/report.html"),
-                        help="HTML file to write (default results/report.html)")
+    parser.add_argument("-o", "--output", type=Path, required=True,
+                        help="HTML file to write")
     return parser
 
 

@@ -7,8 +7,8 @@ result in place. The wrapper always renders once with the default values, so a h
 stores a static table or figure in the notebook.
 
 Sections: notebook setup; the environment; recorded results (what the notebooks show when no GPU is
-present: real runs in results/ first, labeled fixtures in results/recorded/ next, else a plain "no
-recorded H200 run yet"); the K/V ring simulator and the shared-memory / register / tensor-memory
+present: real runs in the results directory the caller names first, labeled fixtures in its
+`recorded/` next, else a plain "no recorded H200 run yet"; the package holds no results of its own); the K/V ring simulator and the shared-memory / register / tensor-memory
 budget calculator (notebook 02); the panel wrapper; tutorial 2's sweep (02); benchmark rows and the
 write-up summary (08); the tile-dealing picture and the GEM-like sweep (03); recompute-vs-store
 arithmetic and the dQ strategies' recorded costs (04).
@@ -26,9 +26,7 @@ from jfa.specs import (MBARRIER_BYTES, REGISTERS_PER_SM, SETMAXNREG_MAX, SETMAXN
                        SHARED_BYTES_PER_BLOCK, TMEM_ALLOC_MIN_COLUMNS, TMEM_COLUMNS, TMEM_LANES, WARP_SIZE,
                        WARPGROUP_WARPS)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "results"
-RECORDED_DIR = RESULTS_DIR / "recorded"
+RECORDED_SUBDIR = "recorded"  # labeled fixtures, inside a results directory
 NO_RECORDING = "no recorded H200 run yet"
 
 
@@ -65,23 +63,24 @@ def environment_markdown() -> str:
         ("TLX kernels compile here", "yes, for sm_90 and sm_100" if tlx_ok else f"no ({tlx_why})"),
         ("TLX kernels run here", f"yes, on {gpu_why}" if gpu_ok else f"no ({gpu_why})"),
         ("numbers shown", "measured live on this GPU" if gpu_ok
-         else "PyTorch references run live; GPU numbers come from recorded H200 runs in results/, labeled"),
+         else "PyTorch references run live; GPU numbers come from recorded H200 runs, labeled"),
     ]
     return "\n".join(["| | |", "|---|---|"] + [f"| {key} | {value} |" for key, value in rows])
 
 
 # ==== recorded results ==========================================================================
-def results_dir() -> Path:
-    """Where new recordings go: $JFA_RESULTS_DIR (e.g. $OUT on the GPU host), else results/."""
-    return Path(os.environ.get("JFA_RESULTS_DIR") or RESULTS_DIR)
+def recordings_dir(results_dir: Path) -> Path:
+    """Where a notebook writes new recordings: $JFA_RESULTS_DIR where set (the GPU host's output
+    folder, whose files come back), else `results_dir`."""
+    return Path(os.environ.get("JFA_RESULTS_DIR") or results_dir)
 
 
-def save_recording(kind: str, payload: dict, directory: Path | None = None) -> Path:
+def save_recording(kind: str, payload: dict, directory: Path) -> Path:
     """Write `<directory>/<kind>-<UTC stamp>.json`: the payload next to the environment block that
     produced it, so a notebook run on the GPU host leaves a recording the CPU notebooks can show."""
     from jfa.workbench.envinfo import environment
 
-    directory = results_dir() if directory is None else Path(directory)
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = directory / f"{kind}-{stamp}.json"
@@ -91,11 +90,19 @@ def save_recording(kind: str, payload: dict, directory: Path | None = None) -> P
 
 @dataclasses.dataclass
 class Recorded:
-    """One results JSON: its path, its content, and whether it is a small fixture from results/recorded/."""
+    """One results JSON: its path, its content, whether it is a small fixture (from `recorded/`), and
+    the results directory it was found in."""
 
     path: Path
     doc: dict
     is_fixture: bool
+    results_dir: Path
+
+    @property
+    def where(self) -> Path:
+        """The file from its results directory's name on (results/bench-gem.json), as text cites it."""
+        base = Path(self.results_dir).parent
+        return self.path.relative_to(base) if self.path.is_relative_to(base) else self.path
 
     @property
     def env(self) -> dict:
@@ -105,18 +112,17 @@ class Recorded:
         """One line saying where the numbers come from, so no reader takes them for a live run."""
         env = self.env
         commit = (env.get("commit") or "?")[:12]
-        where = self.path.relative_to(REPO_ROOT) if self.path.is_relative_to(REPO_ROOT) else self.path
         kind = "recorded fixture" if self.is_fixture else "recorded run"
         source = f"; source: {self.doc['source']}" if self.doc.get("source") else ""
         return (f"{kind}: {env.get('gpu') or '?'}, torch {env.get('torch') or '?'}, triton {env.get('triton') or '?'},"
-                f" commit {commit}, {env.get('date') or '?'} ({where}){source}")
+                f" commit {commit}, {env.get('date') or '?'} ({self.where}){source}")
 
 
 def _date_key(path: Path, doc: dict) -> tuple[str, str]:
     return (str(doc.get("env", {}).get("date") or ""), path.name)
 
 
-def _load_all(directory: Path, pattern: str, is_fixture: bool) -> list[Recorded]:
+def _load_all(directory: Path, pattern: str, is_fixture: bool, results_dir: Path) -> list[Recorded]:
     found = []
     for path in sorted(directory.glob(pattern)):
         try:
@@ -124,27 +130,30 @@ def _load_all(directory: Path, pattern: str, is_fixture: bool) -> list[Recorded]
         except (OSError, json.JSONDecodeError):
             continue  # a half-written or foreign file is not a recording
         if isinstance(doc, dict):
-            found.append(Recorded(path, doc, is_fixture))
+            found.append(Recorded(path, doc, is_fixture, results_dir))
     return found
 
 
-def newest_recorded(pattern: str, results_dir: Path = RESULTS_DIR, recorded_dir: Path | None = None,
+def newest_recorded(pattern: str, results_dir: Path, recorded_dir: Path | None = None,
                     where: Callable[[dict], bool] | None = None) -> Recorded | None:
-    """The newest real results file matching `pattern` (a glob such as "bench-*.json"), else the
-    newest fixture in results/recorded/, else None. `where` filters on the JSON document.
+    """The newest real results file in `results_dir` matching `pattern` (a glob such as
+    "bench-*.json"), else the newest fixture in `recorded_dir` (default: results_dir/recorded), else
+    None. `where` filters on the JSON document.
 
     Real runs from the GPU host always win over fixtures; None means there is nothing recorded,
     and the caller must say so rather than show anything else."""
-    recorded_dir = results_dir / "recorded" if recorded_dir is None else recorded_dir
+    results_dir = Path(results_dir)
+    recorded_dir = results_dir / RECORDED_SUBDIR if recorded_dir is None else Path(recorded_dir)
     for directory, is_fixture in ((results_dir, False), (recorded_dir, True)):
-        candidates = [r for r in _load_all(directory, pattern, is_fixture) if where is None or where(r.doc)]
+        candidates = [r for r in _load_all(directory, pattern, is_fixture, results_dir)
+                      if where is None or where(r.doc)]
         if candidates:
             return max(candidates, key=lambda r: _date_key(r.path, r.doc))
     return None
 
 
-def newest_recorded_tests(name_contains: str, pattern: str = "gpu-tests-*.json",
-                          results_dir: Path = RESULTS_DIR) -> Recorded | None:
+def newest_recorded_tests(name_contains: str, results_dir: Path,
+                          pattern: str = "gpu-tests-*.json") -> Recorded | None:
     """The newest `pytest --results-json` recording (`pattern`) that holds tests whose node id
     contains `name_contains`: a later run of other tests only (a single suite) does not hide it."""
     return newest_recorded(pattern, results_dir,
@@ -564,15 +573,16 @@ def t02_sweep_figure(rows: list[dict], title: str):
     return fig
 
 
-def t02_sweep_panel():
-    """Pick tile widths; the plot shows live timings on a Hopper GPU, else the newest recorded sweep."""
+def t02_sweep_panel(results_dir: Path):
+    """Pick tile widths; the plot shows live timings on a Hopper GPU (recorded into
+    `recordings_dir(results_dir)`), else the newest sweep recorded in `results_dir`."""
     import ipywidgets
 
     if live_gpu():
         rows, source = measure_t02_sweep(), "measured live"
-        save_recording(T02_SWEEP_KIND, {"rows": rows})
+        save_recording(T02_SWEEP_KIND, {"rows": rows}, recordings_dir(results_dir))
     else:
-        rec = newest_recorded(f"{T02_SWEEP_KIND}-*.json")
+        rec = newest_recorded(f"{T02_SWEEP_KIND}-*.json", results_dir)
         if rec is None:
             print(f"{NO_RECORDING} of the tutorial 2 ring sweep (run this notebook on the GPU host to record one)")
             return None
@@ -591,9 +601,10 @@ def t02_sweep_panel():
 BENCH_PATTERN = "bench-*.json"
 
 
-def newest_bench(suite: str) -> Recorded | None:
-    """The newest recorded benchmark file holding successful rows of `suite` (real runs before fixtures)."""
-    return newest_recorded(BENCH_PATTERN, where=lambda doc: any(
+def newest_bench(suite: str, results_dir: Path) -> Recorded | None:
+    """The newest benchmark file in `results_dir` holding successful rows of `suite` (real runs before
+    fixtures)."""
+    return newest_recorded(BENCH_PATTERN, results_dir, where=lambda doc: any(
         r.get("suite") == suite and r.get("ok") for r in doc.get("rows", [])))
 
 
@@ -715,16 +726,17 @@ def measure_jfa_fwd(batch: int, max_len: int, sparsity: float, heads: int, head_
             "provider": "jfa", "pass": "fwd", "ms": ms, "tflops": specs.tflops(flops, ms), "ok": True}
 
 
-def gem_sweep_panel():
-    """L and s (and B, H, D where a live GPU can measure them) as controls; TFLOP/s of every provider."""
+def gem_sweep_panel(results_dir: Path):
+    """L and s (and B, H, D where a live GPU can measure them) as controls; TFLOP/s of every provider
+    (the peers from the newest gem benchmark in `results_dir`)."""
     import ipywidgets
 
-    from jfa.workbench.plots import tflops_bar
     from jfa.specs import BENCH_SUITES, GEM_BATCH, GEM_HEAD_DIM, GEM_HEADS
+    from jfa.workbench.plots import tflops_bar
 
     cases = BENCH_SUITES["gem"]
     live = live_gpu()
-    rec = newest_bench("gem")
+    rec = newest_bench("gem", results_dir)
     print(("jfa measured live on this GPU; peers from: " if live else "recorded, not live: ")
           + (rec.provenance() if rec else NO_RECORDING))
     if rec is None and not live:
@@ -818,7 +830,6 @@ def dq_strategy_rows(doc: dict) -> list[dict]:
 
 def recording_line(rec: Recorded) -> str:
     """Every environment fact of a recording, untruncated (its commit may carry a note)."""
-    where = rec.path.relative_to(REPO_ROOT) if rec.path.is_relative_to(REPO_ROOT) else rec.path
     facts = ", ".join(f"{key} {value}" for key, value in rec.env.items() if value is not None)
     source = f"; source: {rec.doc['source']}" if rec.doc.get("source") else ""
-    return f"recorded run ({where}): {facts}{source}"
+    return f"recorded run ({rec.where}): {facts}{source}"
