@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# git runs in the package's own directory: inside a checkout it finds that checkout's HEAD; an
+# installed copy outside any repository has no commit (unless JFA_COMMIT names it).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 def _version(dist: str) -> str | None:
@@ -25,17 +27,18 @@ def _version(dist: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    """HEAD of this checkout; JFA_COMMIT names it where the tree travelled without .git (the GPU host)."""
+    """HEAD of the checkout holding this package; JFA_COMMIT names it where the tree travelled without
+    .git (the GPU host)."""
     if os.environ.get("JFA_COMMIT"):
         return os.environ["JFA_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True,
                              text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
         return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PACKAGE_DIR,
                            capture_output=True, text=True, timeout=10).stdout.strip()
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
