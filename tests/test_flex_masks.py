@@ -44,7 +44,7 @@ LENGTH_CASES = {
 }
 
 
-def problem_for(kind: str, q_lens: list[int], kv_lens: list[int]) -> bench.Problem:
+def problem_for(kind: str, q_lens: list[int], kv_lens: list[int]) -> providers.Problem:
     """A float32 benchmark problem with exactly these lengths (pma: one query of q_lens[0] rows)."""
     case = dict(kind=kind, batch=len(kv_lens), heads=2, head_dim=8, max_len=max(kv_lens), sparsity=1.0,
                 kv_len=None, q_len=q_lens[0] if kind == "pma" else None, density=None, dtype="float32")
@@ -70,7 +70,7 @@ def _cases():
     yield pytest.param("dense", [200] * 3, [200] * 3, id="dense")
 
 
-def flex_masks(problem: bench.Problem):
+def flex_masks(problem: providers.Problem):
     """(ours, flex's reference BlockMask, q rows, kv rows), both built for the provider's mask_mod."""
     q, q_offsets, kv_offsets, _ = providers._flex_sequences(problem)
     q_rows, kv_rows = q.shape[0], problem.k.shape[0]
@@ -97,7 +97,7 @@ def tile_tables(mask, n_q_tiles: int, n_kv_tiles: int) -> dict[str, torch.Tensor
             "full q": dense_tiles(mask.full_q_num_blocks, mask.full_q_indices, n_q_tiles)}
 
 
-def reference_out(problem: bench.Problem) -> torch.Tensor:
+def reference_out(problem: providers.Problem) -> torch.Tensor:
     if problem.kind == "block":
         return reference.block_attention_ref(problem.q, problem.k, problem.v, problem.q_offsets)
     out, _ = reference.jagged_attention_ref(problem.q, problem.k, problem.v, problem.q_offsets, problem.kv_offsets,

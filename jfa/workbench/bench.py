@@ -34,7 +34,7 @@ from typing import Callable, Iterable, TextIO
 import torch
 
 from jfa import specs
-from jfa.workbench.providers import ISOLATED_PROVIDERS, PROVIDERS, ProviderRun, ProviderUnavailable
+from jfa.workbench.providers import ISOLATED_PROVIDERS, PROVIDERS, Problem, ProviderRun, ProviderUnavailable
 
 # The worker runs as `python -m FLEX_WORKER` in IMPORT_ROOT, the directory this jfa was imported from (a
 # checkout or site-packages), with only that directory on its PYTHONPATH: it imports this same jfa.
@@ -57,31 +57,7 @@ class OutputMismatch(RuntimeError):
     """The provider ran but its output disagrees with the reference."""
 
 
-# ---- problems: the tensors of one input set of one case -------------------------------------
-@dataclass
-class Problem:
-    kind: str
-    batch: int
-    heads: int
-    head_dim: int
-    q: torch.Tensor  # [Tq, H, D]; [q_len, H, D] for pma
-    k: torch.Tensor
-    v: torch.Tensor
-    q_offsets: torch.Tensor  # int32 [B+1]; [0, q_len] for pma
-    kv_offsets: torch.Tensor
-    q_lens: list[int]  # per batch (pma: q_len repeated B times)
-    kv_lens: list[int]
-    max_q: int
-    max_kv: int
-    block_offsets: torch.Tensor | None = None  # block kind: offsets of every 64-token block
-    kv_block_idx: torch.Tensor | None = None  # block_sparse: [B, H, n_q_blocks, max_sel], -1 padded
-    kv_block_dense: torch.Tensor | None = None  # block_sparse: the same selection as [B, H, nqb, nkb] bool
-
-    @property
-    def out_rows(self) -> int:
-        return sum(self.q_lens)
-
-
+# ---- problems: the input sets of one case (`providers.Problem`) ------------------------------
 def _gem_lengths(batch: int, max_len: int, sparsity: float, seed: int) -> list[int]:
     from jfa.jagged import gem_lengths
 

@@ -1,9 +1,9 @@
 """Benchmark providers: one builder per attention implementation, all fed the same `Problem`.
 
-A builder takes one input set (`jfa.workbench.bench.Problem`) and returns a `ProviderRun`: a `forward` closure
-that launches the provider's kernel on tensors prepared outside the timed region, a `to_packed`
-function that turns its raw output into the packed `[T_out, H, D]` layout of the reference, and the
-leaf tensors whose gradients the backward fills. A builder that cannot serve the problem raises
+A builder takes one input set (a `Problem`, which `jfa.workbench.bench` builds) and returns a
+`ProviderRun`: a `forward` closure that launches the provider's kernel on tensors prepared outside the
+timed region, a `to_packed` function that turns its raw output into the packed `[T_out, H, D]` layout
+of the reference, and the leaf tensors whose gradients the backward fills. A builder that cannot serve the problem raises
 `ProviderUnavailable` with the reason ("no FP8 in FA2", "flash_attn_interface not importable"), which
 the benchmark records as a failed row instead of a number.
 
@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from jfa import specs
-
-if TYPE_CHECKING:
-    from jfa.workbench.bench import Problem
 
 # Kinds a peer's varlen API covers directly. Block attention rides on it too: every 64-token block
 # is handed over as its own sequence (the problem carries the block offsets).
@@ -30,6 +27,35 @@ VARLEN_KINDS = ("jagged", "pma", "dense", "block")
 EXPANDED_Q_NOTE = "Q expanded B times outside the timed region (peer has no broadcast-Q); dQ is not summed"
 BLOCKS_AS_SEQUENCES_NOTE = "each 64-token block passed as its own sequence"
 FP8_NO_BACKWARD = "unavailable: the FP8 kernels are forward-only"
+
+
+# ---- what every builder is fed: the tensors of one input set of one case -------------------------
+@dataclass
+class Problem:
+    """One input set of one benchmark case: the packed tensors, their offsets and lengths. It lives
+    here, with its consumers, so that the bench (which builds it) imports the providers and never
+    the reverse."""
+
+    kind: str
+    batch: int
+    heads: int
+    head_dim: int
+    q: torch.Tensor  # [Tq, H, D]; [q_len, H, D] for pma
+    k: torch.Tensor
+    v: torch.Tensor
+    q_offsets: torch.Tensor  # int32 [B+1]; [0, q_len] for pma
+    kv_offsets: torch.Tensor
+    q_lens: list[int]  # per batch (pma: q_len repeated B times)
+    kv_lens: list[int]
+    max_q: int
+    max_kv: int
+    block_offsets: torch.Tensor | None = None  # block kind: offsets of every 64-token block
+    kv_block_idx: torch.Tensor | None = None  # block_sparse: [B, H, n_q_blocks, max_sel], -1 padded
+    kv_block_dense: torch.Tensor | None = None  # block_sparse: the same selection as [B, H, nqb, nkb] bool
+
+    @property
+    def out_rows(self) -> int:
+        return sum(self.q_lens)
 
 
 class ProviderUnavailable(RuntimeError):
