@@ -244,26 +244,55 @@ def check_jagged_tensors(q, k, v, q_offsets, kv_offsets, *, sm_scale=None, windo
             raise ValueError(f"sm_scale: must be finite and > 0, got {sm_scale}; None means 1/sqrt(head_dim)")
 
 
-def _offset_values(name: str, offsets: torch.Tensor, rows: int) -> list[int]:
-    """Read the offsets once and check they are a valid prefix sum ending at `rows`."""
-    if offsets.device.type == "meta":
-        raise ValueError(f"{name}: is a meta tensor, so its values cannot be checked; pass real offsets "
-                         "(a CPU copy is fine)")
-    values = offsets.tolist()
-    if values[0] != 0:
-        raise ValueError(f"{name}: must start at 0, starts at {values[0]}")
-    for b in range(len(values) - 1):
-        if values[b + 1] < values[b]:
-            raise ValueError(f"{name}: decreases at index {b + 1} ({values[b]} -> {values[b + 1]}); "
-                             "offsets are prefix sums of non-negative lengths")
-    if values[-1] != rows:
-        raise ValueError(f"{name}: ends at {values[-1]} but the tensor has {rows} rows; the last offset "
+def _offset_terms(offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """0-d tensors on the offsets' device: first, last, smallest value, smallest step, largest step.
+
+    The steps are exact whenever no value is negative (differences of values in [0, dtype max]
+    fit the dtype); a negative value is itself a decrease, since the offsets must start at 0.
+    """
+    first, last = offsets[0], offsets[-1]
+    if offsets.numel() == 1:
+        no_step = offsets.new_zeros(())
+        return first, last, first, no_step, no_step
+    steps = torch.diff(offsets)
+    return first, last, offsets.min(), steps.min(), steps.max()
+
+
+def _offset_facts(q_offsets: torch.Tensor, kv_offsets: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Both offsets' `_offset_terms` as ints, stacked and read once per device (offsets live on q's
+    device or the CPU, so GPU offsets cost one device-to-host copy and CPU ones none)."""
+    for name, offsets in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+        if offsets.device.type == "meta":
+            raise ValueError(f"{name}: is a meta tensor, so its values cannot be checked; pass real offsets "
+                             "(a CPU copy is fine)")
+    if kv_offsets is q_offsets:
+        facts = torch.stack(_offset_terms(q_offsets)).tolist()
+        return facts, facts
+    if q_offsets.device == kv_offsets.device:
+        facts = torch.stack(_offset_terms(q_offsets) + _offset_terms(kv_offsets)).tolist()
+        return facts[:5], facts[5:]
+    return torch.stack(_offset_terms(q_offsets)).tolist(), torch.stack(_offset_terms(kv_offsets)).tolist()
+
+
+def _check_offset_facts(name: str, offsets: torch.Tensor, facts: list[int], rows: int) -> int:
+    """Check the summary of a valid prefix sum ending at `rows`; returns the longest sequence.
+
+    Where a check fails, the detail of the message (the index that decreases) is found then.
+    """
+    first, last, smallest, smallest_step, longest = facts
+    if first != 0:
+        raise ValueError(f"{name}: must start at 0, starts at {first}")
+    if smallest < 0 or smallest_step < 0:
+        b = int(torch.nonzero(offsets[1:] < offsets[:-1])[0, 0])  # a comparison: exact at any magnitude
+        raise ValueError(f"{name}: decreases at index {b + 1} ({int(offsets[b])} -> {int(offsets[b + 1])}); "
+                         "offsets are prefix sums of non-negative lengths")
+    if last != rows:
+        raise ValueError(f"{name}: ends at {last} but the tensor has {rows} rows; the last offset "
                          "must equal the row count")
-    return values
+    return longest
 
 
-def _max_len(name: str, given: int | None, values: list[int]) -> int:
-    longest = max((b - a for a, b in zip(values, values[1:])), default=0)
+def _max_len(name: str, given: int | None, longest: int) -> int:
     if given is None:
         return longest
     if isinstance(given, bool) or not isinstance(given, int):
@@ -279,18 +308,21 @@ def validate_jagged_attention(q, k, v, q_offsets, kv_offsets, max_seq_len_q=None
                               for_kernel: bool = False, fp8: bool = False) -> JaggedProblem:
     """Check a jagged attention call and describe it; raises ValueError/TypeError naming the argument.
 
-    Reads the offsets' values once (a device-to-host copy unless they are on the CPU already).
-    See `check_jagged_tensors` for `for_kernel`.
+    The offsets' values are checked with tensor operations that reduce both offsets to one small
+    summary (first and last value, smallest value and step, longest sequence), read once: a single
+    device-to-host copy for GPU offsets, none for CPU ones. See `check_jagged_tensors` for
+    `for_kernel`.
     """
     check_jagged_tensors(q, k, v, q_offsets, kv_offsets, sm_scale=sm_scale, window=window,
                          broadcast_q=broadcast_q, for_kernel=for_kernel, fp8=fp8)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    q_values = _offset_values("q_offsets", q_offsets, q.shape[0])
-    kv_values = _offset_values("kv_offsets", kv_offsets, k.shape[0])
-    max_q = _max_len("max_seq_len_q", max_seq_len_q, q_values)
-    max_kv = _max_len("max_seq_len_kv", max_seq_len_kv, kv_values)
-    batch = len(kv_values) - 1
+    q_facts, kv_facts = _offset_facts(q_offsets, kv_offsets)
+    longest_q = _check_offset_facts("q_offsets", q_offsets, q_facts, q.shape[0])
+    longest_kv = _check_offset_facts("kv_offsets", kv_offsets, kv_facts, k.shape[0])
+    max_q = _max_len("max_seq_len_q", max_seq_len_q, longest_q)
+    max_kv = _max_len("max_seq_len_kv", max_seq_len_kv, longest_kv)
+    batch = kv_offsets.numel() - 1
     heads_q, heads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
     out_rows = batch * q.shape[0] if broadcast_q else q.shape[0]
     for name, rows, heads in (("q", q.shape[0], heads_q), ("k", k.shape[0], heads_kv), ("v", v.shape[0], heads_kv),

@@ -1,5 +1,6 @@
 """validate_jagged_attention: every bad input raises ValueError/TypeError naming the argument."""
 import math
+import time
 
 import pytest
 import torch
@@ -135,3 +136,115 @@ def test_check_jagged_tensors_reads_no_offset_values():
                 kv_offsets=torch.empty(4, dtype=torch.int32, device="meta"))
     call.update({t: call[t].to("meta") for t in "qkv"})
     jagged.check_jagged_tensors(**call)
+
+
+OFFSET_MESSAGES = [
+    # (case id, offsets keyword and value, the whole message)
+    ("not-from-0", "q_offsets", [1, 3, 3, 8], "q_offsets: must start at 0, starts at 1"),
+    ("decreasing", "kv_offsets", [0, 4, 2, 6],
+     "kv_offsets: decreases at index 2 (4 -> 2); offsets are prefix sums of non-negative lengths"),
+    # int32 steps of these values wrap around to positive ones: the negative value gives it away
+    ("decreasing-past-int32", "q_offsets", [0, specs.INT32_MAX, -specs.INT32_MAX + 3, 8],
+     f"q_offsets: decreases at index 2 ({specs.INT32_MAX} -> {-specs.INT32_MAX + 3}); offsets are prefix sums "
+     "of non-negative lengths"),
+    ("wrong-end", "q_offsets", [0, 3, 3, 7],
+     "q_offsets: ends at 7 but the tensor has 8 rows; the last offset must equal the row count"),
+]
+
+
+@pytest.mark.parametrize("name,values,message", [c[1:] for c in OFFSET_MESSAGES], ids=[c[0] for c in OFFSET_MESSAGES])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_offset_value_errors_say_what_and_where(name, values, message, dtype):
+    call = good_call()
+    call[name] = torch.tensor(values, dtype=dtype)
+    with pytest.raises(ValueError) as caught:
+        jagged.validate_jagged_attention(**call)
+    assert str(caught.value) == message
+
+
+def test_huge_int64_steps_are_checked_exactly():
+    """Values near int64's limit: the steps are computed without wrapping, or the decrease is found."""
+    call = good_call()
+    big = 2**62
+    call["q_offsets"] = torch.tensor([0, big, -big, 8])
+    with pytest.raises(ValueError, match=rf"^q_offsets: decreases at index 2 \({big} -> {-big}\)"):
+        jagged.validate_jagged_attention(**call)
+
+
+def test_max_len_errors_name_the_bound_and_the_longest_sequence():
+    with pytest.raises(ValueError) as caught:
+        jagged.validate_jagged_attention(**{**good_call(), "max_seq_len_kv": 3})
+    assert str(caught.value) == ("max_seq_len_kv: 3 is smaller than the longest sequence (4); pass None to compute "
+                                 "it or a bound >= the real maximum")
+
+
+def test_meta_offsets_cannot_be_checked():
+    call = good_call()
+    call.update({t: call[t].to("meta") for t in ("q", "k", "v", "kv_offsets")})
+    with pytest.raises(ValueError, match="^kv_offsets: is a meta tensor, so its values cannot be checked"):
+        jagged.validate_jagged_attention(**call)
+
+
+def test_no_sequences_and_one_offsets_tensor_for_both():
+    empty = torch.zeros(0, HEADS_Q, HEAD_DIM)
+    problem = jagged.validate_jagged_attention(empty, empty, empty, torch.zeros(1, dtype=torch.int32),
+                                               torch.zeros(1, dtype=torch.int64))
+    assert (problem.batch, problem.max_seq_len_q, problem.max_seq_len_kv, problem.out_rows) == (0, 0, 0, 0)
+    call = good_call()
+    call.update(k=call["q"][:, :HEADS_KV].contiguous(), v=call["q"][:, :HEADS_KV].contiguous())
+    call["kv_offsets"] = call["q_offsets"]
+    problem = jagged.validate_jagged_attention(**call)
+    assert (problem.max_seq_len_q, problem.max_seq_len_kv) == (5, 5)
+
+
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__bool__,
+              torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.numpy}
+
+
+class ReadCountingOffsets(torch.Tensor):
+    """Offsets that record every read of their values (or of values derived from them) on the host:
+    each such read of GPU offsets is a device-to-host sync."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("same_tensor", [False, True])
+def test_validation_reads_the_offsets_once(same_tensor, monkeypatch):
+    monkeypatch.setattr(ReadCountingOffsets, "reads", [])
+    call = good_call()
+    call["q_offsets"] = call["q_offsets"].as_subclass(ReadCountingOffsets)
+    if same_tensor:
+        call.update(k=call["q"][:, :HEADS_KV].contiguous(), v=call["q"][:, :HEADS_KV].contiguous(),
+                    kv_offsets=call["q_offsets"])
+    else:
+        call["kv_offsets"] = call["kv_offsets"].as_subclass(ReadCountingOffsets)
+    problem = jagged.validate_jagged_attention(**call)
+    assert ReadCountingOffsets.reads == ["tolist"]
+    assert problem.max_seq_len_q == 5
+
+
+@pytest.mark.timing
+def test_validating_16k_short_sequences_takes_microseconds():
+    """16,384 sequences of at most 32 rows: the value checks are a few tensor reductions, not a
+    Python loop over the offsets. The bound is ten times the 100 µs budget, for loaded CI machines;
+    a loop over the offsets takes tens of times longer."""
+    offsets = jagged.lengths_to_offsets(jagged.gem_lengths(16384, 32, 0.5, seed=0))
+    rows = int(offsets[-1])
+    q = torch.empty(rows, HEADS_Q, HEAD_DIM, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(rows, HEADS_KV, HEAD_DIM, dtype=torch.bfloat16, device="meta")
+    kv_offsets = offsets.clone()
+    for _ in range(20):
+        jagged.validate_jagged_attention(q, k, k, offsets, kv_offsets, causal=True)
+    per_call = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(50):
+            jagged.validate_jagged_attention(q, k, k, offsets, kv_offsets, causal=True)
+        per_call.append((time.perf_counter() - start) / 50)
+    assert sorted(per_call)[len(per_call) // 2] < 1e-3
