@@ -6,7 +6,8 @@ and `jfa.jagged` the offsets helpers and input validation.
 __version__ = "0.1.0"
 
 from jfa import jagged, reference
-from jfa.ops import ReferenceFallbackWarning, backend_for, jagged_attention
+from jfa.dispatch import ReferenceFallbackWarning
+from jfa.ops import backend_for, jagged_attention
 
 __all__ = ["__version__", "jagged", "reference", "jagged_attention", "backend_for", "ReferenceFallbackWarning",
            "block_attention", "fused_projection_rotary_block_attention", "block_sparse_attention",

@@ -3,7 +3,7 @@
 Both are `torch.library` custom ops, so they work under `torch.compile` (fake impls give shapes
 without running anything) and with autograd. On a Hopper GPU they run the TLX kernels of
 `jfa.kernels.block_attn`; anywhere else they run the fp32 references of `jfa.reference` (and say so
-once), so notebooks and user code behave the same on a laptop.
+once per reason, `jfa.dispatch`), so notebooks and user code behave the same on a laptop.
 
 The fused path splits its work where each part is cheapest:
 - forward: ``qkv = x @ w (+ bias)`` is a torch matmul; rotary on q, k, v (one Triton pass each,
@@ -15,17 +15,13 @@ The fused path splits its work where each part is cheapest:
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from jfa import reference, specs
+from jfa import dispatch, reference, specs
 from jfa.jagged import OFFSET_DTYPES, check_jagged_tensors
-from jfa.kernels import block_attn, rotary
+from jfa.kernels import rotary
 
 __all__ = ["block_attention", "fused_projection_rotary_block_attention"]
-
-_told_fallback = False
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -100,16 +96,14 @@ def _check_fused_inputs(x, w, sinu_pos, offsets, q_heads, kv_heads, bias):
 
 # ---- dispatch -------------------------------------------------------------------------------
 
-def _use_kernel(q: torch.Tensor) -> bool:
-    """The TLX kernels where they run; the reference elsewhere (said once per process)."""
-    global _told_fallback
-    if block_attn.is_supported(q):
-        return True
-    if not _told_fallback:
-        warnings.warn("jfa block attention: no Hopper GPU / supported dtype for this call, running the "
-                      "PyTorch reference (slow, fp32)", stacklevel=3)
-        _told_fallback = True
-    return False
+def _block_kernels(q: torch.Tensor, *others: torch.Tensor):
+    """`jfa.kernels.block_attn` where its kernels run on these tensors; None elsewhere, where the
+    reference runs (said once per reason)."""
+    why = dispatch.why_not_kernel("block_attn", q, *others)
+    if why is not None:
+        dispatch.warn_fallback(f"block attention: {why}")
+        return None
+    return dispatch.load_kernel_module("block_attn")[0]
 
 
 def _split_heads(qkv: torch.Tensor, q_heads: int, kv_heads: int):
@@ -148,8 +142,9 @@ def _reference_grads(fn, inputs, grad_out):
 
 @torch.library.custom_op("jfa::block_attention", mutates_args=())
 def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    if _use_kernel(q):
-        return block_attn.block_attention_fwd(q, k, v, offsets)
+    kernels = _block_kernels(q, k, v)
+    if kernels is not None:
+        return kernels.block_attention_fwd(q, k, v, offsets)
     return reference.block_attention_ref(q, k, v, offsets).to(q.dtype)
 
 
@@ -161,8 +156,9 @@ def _(q, k, v, offsets):
 @torch.library.custom_op("jfa::block_attention_backward", mutates_args=())
 def _block_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                                  dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_kernel(q):
-        return block_attn.block_attention_bwd(q, k, v, offsets, dout)
+    kernels = _block_kernels(q, k, v, dout)
+    if kernels is not None:
+        return kernels.block_attention_bwd(q, k, v, offsets, dout)
     return _reference_grads(lambda q_, k_, v_: reference.block_attention_ref(q_, k_, v_, offsets), (q, k, v), dout)
 
 
@@ -201,7 +197,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
 def _rotary_block_attention_op(qkv: torch.Tensor, sinu_pos: torch.Tensor, offsets: torch.Tensor,
                                q_heads: int, kv_heads: int) -> torch.Tensor:
     q, k, v = _rotated_heads(qkv, sinu_pos, q_heads, kv_heads)
-    out = block_attn.block_attention_fwd(q, k, v, offsets) if _use_kernel(q) else \
+    kernels = _block_kernels(q, k, v)
+    out = kernels.block_attention_fwd(q, k, v, offsets) if kernels is not None else \
         reference.block_attention_ref(q, k, v, offsets).to(q.dtype)
     return out.reshape(qkv.shape[0], -1)
 
@@ -216,8 +213,9 @@ def _(qkv, sinu_pos, offsets, q_heads, kv_heads):
 def _rotary_block_attention_backward_op(qkv: torch.Tensor, sinu_pos: torch.Tensor, offsets: torch.Tensor,
                                         dout: torch.Tensor, q_heads: int, kv_heads: int) -> torch.Tensor:
     q, k, v = _rotated_heads(qkv, sinu_pos, q_heads, kv_heads)
-    if _use_kernel(q):
-        return block_attn.block_attention_rotary_bwd(q, k, v, offsets, dout.reshape(q.shape), sinu_pos)
+    kernels = _block_kernels(q, k, v)
+    if kernels is not None:
+        return kernels.block_attention_rotary_bwd(q, k, v, offsets, dout.reshape(q.shape), sinu_pos)
 
     def rotary_attention(qkv_):
         q_, k_, v_ = (reference.rotary_ref(t, sinu_pos) for t in _split_heads(qkv_, q_heads, kv_heads))

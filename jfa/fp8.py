@@ -22,8 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from jfa import jagged, reference, specs
-from jfa.ops import _kernel_offsets, _load_kernel_module, _warn_once, _why_not_kernel
+from jfa import dispatch, jagged, reference, specs
 
 __all__ = ["jagged_attention_fp8", "jagged_attention_fp8_fwd", "transpose_values", "transposed_value_layout",
            "transposed_value_width"]
@@ -67,8 +66,8 @@ def transpose_values(v: Tensor, kv_offsets: Tensor) -> Tensor:
     calls, instead of one copy per call. On a Hopper GPU a gather-transpose kernel builds it (about
     1 ms for 2.4 M keys x 512 bytes on the H200), elsewhere PyTorch does."""
     jagged.validate_jagged_attention(v, v, v, kv_offsets, kv_offsets, fp8=True)  # reads the offsets once
-    if _why_not_kernel("jagged_fwd", v, dtypes=jagged.FP8_DTYPES) is None:
-        module, _ = _load_kernel_module("jagged_fwd")
+    if dispatch.why_not_kernel("jagged_fwd", v, dtypes=jagged.FP8_DTYPES) is None:
+        module, _ = dispatch.load_kernel_module("jagged_fwd")
         return module.transposed_values(v, kv_offsets)
     rows, heads, dim = v.shape
     cols, width = transposed_value_layout(kv_offsets, rows, v.device)
@@ -112,7 +111,7 @@ def jagged_attention_fp8_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor,
     """FP8 forward -> (out [Tq_out, Hq, D] bfloat16, lse float32 [Hq, Tq_out]); inputs validated.
     `v_transposed`: v is `transpose_values(v, kv_offsets)`. This default implementation is the
     reference on the dequantized inputs."""
-    _warn_once(f"FP8: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
+    dispatch.warn_fallback(f"FP8: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
     return _reference(q, k, v, q_offsets, kv_offsets, sm_scale, (q_scale, k_scale, v_scale), causal, window,
                       broadcast_q, v_transposed)
 
@@ -121,13 +120,13 @@ def jagged_attention_fp8_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor,
 def _jagged_attention_fp8_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, q_scale,
                                    k_scale, v_scale, causal, window, broadcast_q, v_transposed):
     scales = (q_scale, k_scale, v_scale)
-    why = _why_not_kernel("jagged_fwd", q, k, v, dtypes=jagged.FP8_DTYPES)
+    why = dispatch.why_not_kernel("jagged_fwd", q, k, v, dtypes=jagged.FP8_DTYPES)
     if why is not None:
-        _warn_once(f"FP8: {why}")
+        dispatch.warn_fallback(f"FP8: {why}")
         return _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window, broadcast_q,
                           v_transposed)
-    module, _ = _load_kernel_module("jagged_fwd")
-    q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
+    module, _ = dispatch.load_kernel_module("jagged_fwd")
+    q_offsets, kv_offsets = dispatch.kernel_offsets(q, q_offsets, kv_offsets)
     return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
                                        causal, window, broadcast_q, descale=scales)
 

@@ -13,23 +13,20 @@ on the GPU. torch.compile, and tensors on other devices (meta, fake), go through
 
 Dispatch: on CUDA the TLX kernels (`jfa.kernels.jagged_fwd` / `jagged_bwd`) run when they import
 and accept the inputs; anywhere else, or when they decline, the PyTorch reference runs and a
-`ReferenceFallbackWarning` says why, once per reason. The kernel modules are imported lazily so a
-broken or missing kernel never breaks `import jfa`.
+`ReferenceFallbackWarning` says why, once per reason (`jfa.dispatch`, which every entry point shares,
+imports the kernel modules lazily so a broken or missing kernel never breaks `import jfa`).
 """
 from __future__ import annotations
 
-import functools
-import importlib
 import math
-import warnings
 
 import torch
 from torch import Tensor
 
-from jfa import jagged, reference, specs
+from jfa import dispatch, jagged, reference
 
 __all__ = ["jagged_attention", "jagged_attention_validated", "jagged_attention_fwd", "jagged_attention_bwd",
-           "backend_for", "ReferenceFallbackWarning"]
+           "backend_for"]
 
 # Op schemas have no Optional[int]; these sentinels stand for "no window" and "not given".
 NO_WINDOW = -1
@@ -38,54 +35,9 @@ KERNEL_BACKEND = "tlx-sm90"
 EAGER_DEVICES = ("cpu", "cuda")  # devices whose eager calls bypass the op layer (module docstring)
 
 
-class ReferenceFallbackWarning(UserWarning):
-    """The PyTorch reference ran instead of a TLX kernel (filter it with this category)."""
-
-
-_warned_reasons: set[str] = set()
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned_reasons:
-        _warned_reasons.add(reason)
-        warnings.warn(f"jfa: running the PyTorch reference: {reason}", ReferenceFallbackWarning, stacklevel=3)
-
-
-@functools.cache
-def _load_kernel_module(name: str):
-    """(module, "") or (None, why it did not import); imported once, on first use."""
-    try:
-        return importlib.import_module(f"jfa.kernels.{name}"), ""
-    except Exception as exc:  # a kernel module that fails to import must not take the API down
-        return None, f"jfa.kernels.{name} did not import ({type(exc).__name__}: {exc})"
-
-
-def _why_not_kernel(module_name: str, q: Tensor, *others: Tensor, dtypes=specs.SUPPORTED_DTYPES) -> str | None:
-    """None when the TLX kernel of `module_name` can run on q (and `others`), else the reason it cannot."""
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU"
-    if q.dtype not in dtypes:
-        return f"dtype {q.dtype} has no kernel (kernels take {dtypes})"
-    if q.shape[-1] not in specs.SUPPORTED_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} has no kernel (kernels take {specs.SUPPORTED_HEAD_DIMS})"
-    if any(t.data_ptr() % specs.TMA_ALIGN_BYTES for t in (q, *others)):
-        return f"an input is not {specs.TMA_ALIGN_BYTES}-byte aligned as TMA needs (pass a .clone())"
-    module, why = _load_kernel_module(module_name)
-    if module is None:
-        return why
-    if not module.is_supported(q):
-        return f"jfa.kernels.{module_name}.is_supported(q) is False on this GPU"
-    return None
-
-
-def _kernel_offsets(q: Tensor, q_offsets: Tensor, kv_offsets: Tensor) -> tuple[Tensor, Tensor]:
-    """The offsets as the kernels read them: int32 on q's device (copied without a host wait)."""
-    return tuple(o.to(device=q.device, dtype=torch.int32, non_blocking=True) for o in (q_offsets, kv_offsets))
-
-
 def backend_for(q: Tensor) -> str:
     """What `jagged_attention` forward runs for q: "tlx-sm90" or "reference (why)"."""
-    why = _why_not_kernel("jagged_fwd", q)
+    why = dispatch.why_not_kernel("jagged_fwd", q)
     return KERNEL_BACKEND if why is None else f"reference ({why})"
 
 
@@ -113,7 +65,7 @@ def _jagged_attention_fwd_default(q: Tensor, k: Tensor, v: Tensor, q_offsets: Te
     forward always is); it rides here so autograd hands it over. This default implementation is
     the reference.
     """
-    _warn_once(f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
+    dispatch.warn_fallback(f"q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
     return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
 
 
@@ -129,14 +81,14 @@ def _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, bro
 
 def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
                                window, broadcast_q, deterministic=False):
-    why = _why_not_kernel("jagged_fwd", q, k, v)
+    why = dispatch.why_not_kernel("jagged_fwd", q, k, v)
     if why is not None:
-        _warn_once(why)
+        dispatch.warn_fallback(why)
         return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
-    module, _ = _load_kernel_module("jagged_fwd")
+    module, _ = dispatch.load_kernel_module("jagged_fwd")
     # Read the bounds before moving the offsets: offsets kept on the CPU need no sync for this.
     max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
-    q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
+    q_offsets, kv_offsets = dispatch.kernel_offsets(q, q_offsets, kv_offsets)
     return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal,
                                        _window_or_none(window), broadcast_q)
 
@@ -177,13 +129,13 @@ def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, w
 
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
                                sm_scale, causal, window, broadcast_q, deterministic=False):
-    why = _why_not_kernel("jagged_bwd", q, k, v, grad_out)
+    why = dispatch.why_not_kernel("jagged_bwd", q, k, v, grad_out)
     if why is not None:
-        _warn_once(f"backward: {why}")
+        dispatch.warn_fallback(f"backward: {why}")
         return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
-    module, _ = _load_kernel_module("jagged_bwd")
+    module, _ = dispatch.load_kernel_module("jagged_bwd")
     max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
-    q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
+    q_offsets, kv_offsets = dispatch.kernel_offsets(q, q_offsets, kv_offsets)
     return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
                                        causal, _window_or_none(window), broadcast_q, deterministic=deterministic)
 

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from jfa import jagged, reference, specs
-from jfa.ops import _kernel_offsets, _load_kernel_module, _warn_once, _why_not_kernel
+from jfa import dispatch, jagged, reference, specs
 
 __all__ = ["block_sparse_attention", "block_sparse_attention_fwd", "block_sparse_attention_bwd",
            "validate_block_sparse_attention",
@@ -145,7 +144,7 @@ def block_sparse_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tenso
                                max_seq_len_kv: int, sm_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """Block-sparse forward -> (out [Tq, Hq, D] in q's dtype, lse float32 [Hq, Tq]); inputs validated.
     This default implementation is the reference."""
-    _warn_once(f"block-sparse: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
+    dispatch.warn_fallback(f"block-sparse: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
     return _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
 
 
@@ -154,9 +153,9 @@ def _block_sparse_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, kv_block_id
                                      max_seq_len_kv, sm_scale, causal):
     why = _why_not_sparse_kernel("jagged_fwd", block_m, block_n, q, k, v)
     if why is not None:
-        _warn_once(f"block-sparse: {why}")
+        dispatch.warn_fallback(f"block-sparse: {why}")
         return _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
-    module, _ = _load_kernel_module("jagged_fwd")
+    module, _ = dispatch.load_kernel_module("jagged_fwd")
     q_offsets, kv_offsets, selection = _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n)
     return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
                                        causal, None, False, selection=selection)
@@ -169,7 +168,7 @@ def _block_sparse_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, kv_block_id
 
 
 def _why_not_sparse_kernel(module_name: str, block_m: int, block_n: int, *tensors: Tensor) -> str | None:
-    why = _why_not_kernel(module_name, *tensors)
+    why = dispatch.why_not_kernel(module_name, *tensors)
     if why is None and (block_m, block_n) != (specs.BLOCK_SPARSE_BLOCK,) * 2:
         why = (f"block-sparse blocks of {block_m}x{block_n}: the kernels' query and key tiles are "
                f"{specs.BLOCK_SPARSE_BLOCK}x{specs.BLOCK_SPARSE_BLOCK}")
@@ -178,7 +177,7 @@ def _why_not_sparse_kernel(module_name: str, block_m: int, block_n: int, *tensor
 
 def _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n):
     """(q_offsets, kv_offsets, selection) as both kernels read them, on q's device, without a host wait."""
-    q_offsets, kv_offsets = _kernel_offsets(q, q_offsets, kv_offsets)
+    q_offsets, kv_offsets = dispatch.kernel_offsets(q, q_offsets, kv_offsets)
     selection = canonical_selection(kv_block_idx.to(q.device, non_blocking=True), kv_offsets, block_n)
     return q_offsets, kv_offsets, selection
 
@@ -196,7 +195,7 @@ def block_sparse_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
                                causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Block-sparse backward -> (dq, dk, dv) in the dtypes of q, k, v. This default implementation is
     the reference (`reference.block_sparse_attention_bwd_ref`)."""
-    _warn_once(f"block-sparse backward: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
+    dispatch.warn_fallback(f"block-sparse backward: q is on {q.device.type}, the TLX kernels need a CUDA (sm_90) GPU")
     return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
 
 
@@ -205,10 +204,10 @@ def _block_sparse_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_
                                      block_n, max_seq_len_q, max_seq_len_kv, sm_scale, causal):
     why = _why_not_sparse_kernel("jagged_bwd", block_m, block_n, q, k, v, grad_out)
     if why is not None:
-        _warn_once(f"block-sparse backward: {why}")
+        dispatch.warn_fallback(f"block-sparse backward: {why}")
         return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale,
                               causal)
-    module, _ = _load_kernel_module("jagged_bwd")
+    module, _ = dispatch.load_kernel_module("jagged_bwd")
     q_offsets, kv_offsets, selection = _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n)
     return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q,
                                        max_seq_len_kv, sm_scale, causal, None, False, selection=selection)

@@ -154,8 +154,8 @@ def test_case_lengths_by_kind():
 def meta_problem(kind, q_lens, kv_lens, heads=2, head_dim=4, q_rows=None, dtype=torch.bfloat16):
     empty = lambda rows: torch.empty(rows, heads, head_dim, device="meta", dtype=dtype)  # noqa: E731
     rows = sum(q_lens) if q_rows is None else q_rows
-    return providers.Problem(kind, len(kv_lens), heads, head_dim, empty(rows), empty(sum(kv_lens)), empty(sum(kv_lens)),
-                         None, None, q_lens, kv_lens, max(q_lens), max(kv_lens))
+    return providers.Problem(kind, len(kv_lens), heads, head_dim, empty(rows), empty(sum(kv_lens)),
+                             empty(sum(kv_lens)), None, None, q_lens, kv_lens, max(q_lens), max(kv_lens))
 
 
 def test_jagged_flops_by_hand():

@@ -8,13 +8,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from jfa import reference, specs
-from jfa import block
+from jfa import block, dispatch, reference, specs
 from jfa.block import block_attention, fused_projection_rotary_block_attention
 
 LENGTHS = [1, 63, 64, 65, 0, 130]
 
-pytestmark = pytest.mark.filterwarnings("ignore:jfa block attention")
+pytestmark = pytest.mark.filterwarnings("ignore::jfa.dispatch.ReferenceFallbackWarning")
 
 
 def offsets_of(lengths):
@@ -102,9 +101,9 @@ def test_fake_tensors_give_shapes_without_running():
         assert dz.shape == qkv.shape
 
 
-def test_reference_fallback_is_announced_once():
+def test_reference_fallback_is_announced_once(monkeypatch):
     q, k, v = make_inputs(torch.float32)
-    block._told_fallback = False
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         block_attention(q, k, v, offsets_of(LENGTHS))

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import jfa
-from jfa import fp8, ops, reference
+from jfa import dispatch, fp8, reference
+from jfa.dispatch import ReferenceFallbackWarning
 from jfa.jagged import lengths_to_offsets
-from jfa.ops import ReferenceFallbackWarning
 
 LENGTHS = [100, 0, 257, 1]
 
@@ -17,7 +17,7 @@ def inputs(seed=0):
 
 
 def test_cpu_runs_the_reference_on_dequantized_inputs(monkeypatch):
-    monkeypatch.setattr(ops, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
     q, k, v = inputs()
     off = lengths_to_offsets(LENGTHS)
     with pytest.warns(ReferenceFallbackWarning, match="FP8"):
@@ -84,7 +84,7 @@ def test_transposed_values_round_trip_with_aligned_sequences():
 
 
 def test_pre_transposed_values_give_the_same_attention(monkeypatch):
-    monkeypatch.setattr(ops, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
     q, k, v = inputs()
     off = lengths_to_offsets(LENGTHS)
     kwargs = dict(q_scale=0.5, v_scale=2.0, causal=True, return_lse=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import jfa
-from jfa import jagged, ops, reference
+from jfa import dispatch, jagged, ops, reference
 
 Q_LENS, KV_LENS = [5, 0, 7, 3], [6, 4, 0, 9]
 CASES = [  # causal, window, broadcast_q
@@ -181,7 +181,7 @@ def test_public_api_rejects_bad_input():
 
 
 def test_fallback_warns_once_and_backend_says_why(monkeypatch):
-    monkeypatch.setattr(ops, "_warned_reasons", set())
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())
     q, k, v, q_offsets, kv_offsets = make_call()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -225,8 +225,8 @@ class StubKernels:
 def test_kernel_dispatch_plumbing(monkeypatch, window):
     """The CUDA implementations, called directly with a stub kernel: what a kernel receives."""
     stub = StubKernels()
-    monkeypatch.setattr(ops, "_why_not_kernel", lambda module_name, *tensors: None)
-    monkeypatch.setattr(ops, "_load_kernel_module", lambda name: (stub, ""))
+    monkeypatch.setattr(dispatch, "why_not_kernel", lambda module_name, *tensors: None)
+    monkeypatch.setattr(dispatch, "load_kernel_module", lambda name: (stub, ""))
     q, k, v, q_offsets, kv_offsets = make_call()
     op_window = ops.NO_WINDOW if window is None else window
     out, lse = ops._jagged_attention_fwd_cuda(q, k, v, q_offsets.long(), kv_offsets.long(), ops.UNKNOWN_MAX_LEN, 40,
@@ -242,6 +242,6 @@ def test_kernel_dispatch_plumbing(monkeypatch, window):
 
 
 def test_backend_reasons():
-    assert ops._why_not_kernel("jagged_fwd", torch.empty(2, 1, 64)) == \
+    assert dispatch.why_not_kernel("jagged_fwd", torch.empty(2, 1, 64)) == \
         "q is on cpu, the TLX kernels need a CUDA (sm_90) GPU"
-    assert "did not import" in ops._load_kernel_module("no_such_kernel")[1]
+    assert "did not import" in dispatch.load_kernel_module("no_such_kernel")[1]

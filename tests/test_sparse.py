@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import jfa
-from jfa import ops, reference, sparse
+from jfa import dispatch, reference, sparse
+from jfa.dispatch import ReferenceFallbackWarning
 from jfa.jagged import lengths_to_offsets
-from jfa.ops import ReferenceFallbackWarning
 
 LENGTHS = [300, 1, 0, 129, 256, 77]
 HEADS = 2
@@ -55,7 +55,7 @@ def test_transposed_selection_lists_the_selecting_query_blocks():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_cpu_runs_the_reference_and_says_so(causal, monkeypatch):
-    monkeypatch.setattr(ops, "_warned_reasons", set())  # each reason is told once per process
+    monkeypatch.setattr(dispatch, "_warned_reasons", set())  # each reason is told once per process
     q, k, v = inputs()
     off = lengths_to_offsets(LENGTHS)
     idx = raw_selection()

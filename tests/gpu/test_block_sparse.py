@@ -12,8 +12,8 @@ import torch
 
 import jfa
 from jfa import reference, specs
+from jfa.dispatch import ReferenceFallbackWarning
 from jfa.kernels import jagged_bwd, jagged_fwd
-from jfa.ops import ReferenceFallbackWarning
 from jfa.sparse import canonical_selection
 from tests.gpu.test_jagged_fwd import offsets
 

@@ -9,8 +9,8 @@ import torch
 
 import jfa
 from jfa import fp8, reference, specs
+from jfa.dispatch import ReferenceFallbackWarning
 from jfa.kernels import jagged_fwd
-from jfa.ops import ReferenceFallbackWarning
 from tests.gpu.test_jagged_fwd import offsets
 
 pytestmark = pytest.mark.gpu

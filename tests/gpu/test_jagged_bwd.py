@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import jfa
-from jfa import ops, reference, specs
+from jfa import reference, specs
 from jfa.kernels import jagged_bwd
 
 pytestmark = pytest.mark.gpu
@@ -273,7 +273,7 @@ def _grads_of_small_model(fn):
 def test_public_api_backward_runs_the_kernel():
     with mock.patch.object(jagged_bwd, "jagged_attention_bwd", wraps=jagged_bwd.jagged_attention_bwd) as spy:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", ops.ReferenceFallbackWarning)
+            warnings.simplefilter("error", jfa.ReferenceFallbackWarning)
             _grads_of_small_model(_small_model)
     assert spy.call_count == 1
 

@@ -32,7 +32,7 @@ def test_public_api_runs_the_kernels_and_matches_the_reference():
     q, k, v, offsets, dout = _inputs(seed=torch.seed() % 2**31)
     assert jfa.backend_for(q) == ops.KERNEL_BACKEND
     with warnings.catch_warnings():
-        warnings.simplefilter("error", ops.ReferenceFallbackWarning)
+        warnings.simplefilter("error", jfa.ReferenceFallbackWarning)
         out, lse = jfa.jagged_attention(q, k, v, offsets, offsets, causal=True, return_lse=True)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
