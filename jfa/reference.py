@@ -115,12 +115,8 @@ def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_of
         q_start, q_end = (0, q_bounds[b + 1]) if broadcast_q else (q_bounds[b], q_bounds[b + 1])
         kv_start, kv_end = kv_bounds[b], kv_bounds[b + 1]
         lq, lk = q_end - q_start, kv_end - kv_start
-        if lq == 0:
-            continue
-        if lk == 0:  # nothing to attend to: output 0, LSE -inf (CONTRACTS.md)
-            out_pieces.append(q.new_zeros(lq, heads, head_dim))
-            lse_pieces.append(q.new_full((heads, lq), float("-inf")))
-            continue
+        # Empty sequences go through the same math (no key: P = 0, output 0, LSE -inf), so the output
+        # stays in autograd's graph of q, k and v even where every piece is empty.
         visible = visible_mask(lq, lk, causal, window, q.device) if (causal or window is not None) else None
         out_seq, lse_seq = _masked_attention(q[q_start:q_end].transpose(0, 1), k[kv_start:kv_end].transpose(0, 1),
                                              v[kv_start:kv_end].transpose(0, 1), visible, scale)
