@@ -83,6 +83,15 @@ def test_a_peer_without_backward_is_refused():
                                   registry={"jfa": reference_provider, "peer": forward_only}, timer=FakeTimer())
 
 
+def test_python_m_jfa_runs_the_head_to_head_command(capsys):
+    from jfa.workbench import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["head-to-head", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m jfa head-to-head ")
+
+
 def test_the_command_line_offers_only_in_process_peers(capsys):
     with pytest.raises(SystemExit):
         head_to_head.main(["out.json", "--peer", "flex"])

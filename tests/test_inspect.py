@@ -131,6 +131,24 @@ def test_cli_json_and_errors(capsys):
     assert "matches" in capsys.readouterr().err
 
 
+def test_cli_takes_an_exact_module_name_over_the_names_it_prefixes():
+    from jfa.workbench.inspect import _resolve_module
+
+    assert _resolve_module("jagged_fwd") == "jfa.kernels.jagged_fwd"  # not ambiguous with jagged_fwd_sm100
+    assert _resolve_module("jagged_fwd_") == "jfa.kernels.jagged_fwd_sm100"
+    assert _resolve_module("t04") == "tutorials.t04_attention_pingpong"
+    assert _resolve_module("jfa.kernels.jagged_bwd") == "jfa.kernels.jagged_bwd"
+    with pytest.raises(ValueError, match="matches"):
+        _resolve_module("jagged")
+
+
+def test_cli_reports_a_module_that_does_not_import(capsys):
+    from jfa.workbench.inspect import main
+
+    assert main(["tutorials.no_such_tutorial"]) == 2
+    assert "no_such_tutorial" in capsys.readouterr().err
+
+
 def test_sm100_uses_the_host_ptxas_where_the_wheel_lacks_ptxas_blackwell(monkeypatch):
     """The offline GPU bundle strips Triton's binaries: a CUDA >= 12.8 ptxas named by TRITON_PTXAS_PATH
     then assembles sm_100a for the compile-only views."""

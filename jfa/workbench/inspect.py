@@ -458,7 +458,7 @@ def main(argv: list[str]) -> int:
         module = importlib.import_module(_resolve_module(args.module))
         report = inspect(module.inspect_spec(**_parse_config(args.config)), target=args.target,
                          want_ptx=args.ptx, want_ttgir=args.ttgir)
-    except (ValueError, TypeError, KernelCompileError) as exc:
+    except (ImportError, ValueError, TypeError, KernelCompileError) as exc:
         print(f"python -m jfa inspect: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
@@ -486,11 +486,14 @@ def _inspectable_modules() -> list:
 
 
 def _resolve_module(name: str) -> str:
-    """A full dotted path as is; otherwise the one inspectable module named `name` or starting with it."""
-    modules = _inspectable_modules()
-    if name in modules:
+    """A dotted path as is; otherwise the inspectable module named exactly `name` (jagged_fwd, though
+    jagged_fwd_sm100 starts with it too), else the one whose name starts with `name` (t04)."""
+    if "." in name:
         return name
-    matches = [m for m in modules if m.rsplit(".", 1)[1].startswith(name)]
+    modules = _inspectable_modules()
+    short = {module: module.rsplit(".", 1)[1] for module in modules}
+    matches = ([m for m in modules if short[m] == name]
+               or [m for m in modules if short[m].startswith(name)])
     if len(matches) != 1:
         raise ValueError(f"module {name!r} matches {matches or 'nothing'}; choose one of {modules}")
     return matches[0]
