@@ -14,7 +14,10 @@ on the GPU. torch.compile, and tensors on other devices (meta, fake), go through
 Dispatch: on CUDA the TLX kernels (`jfa.kernels.jagged_fwd` / `jagged_bwd`) run when they import
 and accept the inputs; anywhere else, or when they decline, the PyTorch reference runs and a
 `ReferenceFallbackWarning` says why, once per reason (`jfa.dispatch`, which every entry point shares,
-imports the kernel modules lazily so a broken or missing kernel never breaks `import jfa`).
+imports the kernel modules lazily so a broken or missing kernel never breaks `import jfa`). A
+problem where no query row meets a key (no output row, or no key in the batch) runs neither on
+CUDA: its result is known from the shapes (zeros, LSE -inf, zero gradients, as the reference gives
+on the CPU) and is made inside the autograd Function or op, so it is differentiable on every device.
 """
 from __future__ import annotations
 
@@ -53,6 +56,21 @@ def _window_or_none(window: int) -> int | None:
     return None if window == NO_WINDOW else window
 
 
+def _out_rows(q: Tensor, kv_offsets: Tensor, broadcast_q: bool) -> int:
+    """Output rows, from shapes alone: one per query row, or the shared query's once per KV sequence."""
+    return (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+
+
+def _scoreless_fwd(q: Tensor, out_rows: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a problem where no query row meets a key: zeros and LSE -inf, as the reference gives.
+
+    Made here, fresh, inside the autograd Function or op that called, so autograd takes it as an
+    output like any other, whatever a kernel wrapper would hand back for a problem without work.
+    """
+    return (q.new_zeros(out_rows, q.shape[1], q.shape[2]),
+            q.new_full((q.shape[1], out_rows), float("-inf"), dtype=torch.float32))
+
+
 # ---- forward -----------------------------------------------------------------------------------
 def _jagged_attention_fwd_default(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
                                   max_seq_len_q: int, max_seq_len_kv: int, sm_scale: float, causal: bool,
@@ -81,6 +99,9 @@ def _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, bro
 
 def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
                                window, broadcast_q, deterministic=False):
+    out_rows = _out_rows(q, kv_offsets, broadcast_q)
+    if out_rows == 0 or k.shape[0] == 0:
+        return _scoreless_fwd(q, out_rows)
     why = dispatch.why_not_kernel("jagged_fwd", q, k, v)
     if why is not None:
         dispatch.warn_fallback(why)
@@ -96,7 +117,7 @@ def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
 @jagged_attention_fwd.register_fake
 def _jagged_attention_fwd_fake(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
                                window, broadcast_q, deterministic=False):
-    out_rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    out_rows = _out_rows(q, kv_offsets, broadcast_q)
     return q.new_empty(out_rows, q.shape[1], q.shape[2]), q.new_empty(q.shape[1], out_rows, dtype=torch.float32)
 
 
@@ -129,6 +150,8 @@ def _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, w
 
 def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
                                sm_scale, causal, window, broadcast_q, deterministic=False):
+    if grad_out.shape[0] == 0 or k.shape[0] == 0:  # no score, so no gradient (see the forward)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     why = dispatch.why_not_kernel("jagged_bwd", q, k, v, grad_out)
     if why is not None:
         dispatch.warn_fallback(f"backward: {why}")
