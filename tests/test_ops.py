@@ -245,3 +245,37 @@ def test_backend_reasons():
     assert dispatch.why_not_kernel("jagged_fwd", torch.empty(2, 1, 64)) == \
         "q is on cpu, the TLX kernels need a CUDA (sm_90) GPU"
     assert "did not import" in dispatch.load_kernel_module("no_such_kernel")[1]
+
+
+class ShapeOnlyKernels:
+    """Kernels that read nothing but shapes: outputs and gradients of the right size."""
+
+    def is_supported(self, q):
+        return True
+
+    def jagged_attention_fwd(self, q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal, window,
+                             broadcast_q):
+        rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+        return q.new_zeros(rows, *q.shape[1:]), q.new_zeros(q.shape[1], rows, dtype=torch.float32)
+
+    def jagged_attention_bwd(self, grad_out, q, k, v, *args, deterministic):
+        return tuple(torch.zeros_like(t) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("broadcast_q", [False, True])
+def test_an_eager_call_reads_the_offsets_once(broadcast_q, monkeypatch):
+    """Validation reads its one summary of the offsets (a sync for GPU offsets); the CUDA
+    implementations, forward and backward, take the lengths it found and read nothing more."""
+    from tests.test_validation import ReadCountingOffsets
+    kernels = ShapeOnlyKernels()
+    monkeypatch.setattr(dispatch, "why_not_kernel", lambda name, *tensors, **kwargs: None)
+    monkeypatch.setattr(dispatch, "load_kernel_module", lambda name: (kernels, ""))
+    monkeypatch.setitem(ops._FWD_BY_DEVICE, "cpu", ops._jagged_attention_fwd_cuda)
+    monkeypatch.setitem(ops._BWD_BY_DEVICE, "cpu", ops._jagged_attention_bwd_cuda)
+    monkeypatch.setattr(ReadCountingOffsets, "reads", [])
+    q, k, v, q_offsets, kv_offsets = make_call(torch.bfloat16, broadcast_q, head_dim=64)
+    q_offsets, kv_offsets = (o.as_subclass(ReadCountingOffsets) for o in (q_offsets, kv_offsets))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = jfa.jagged_attention(*leaves, q_offsets, kv_offsets, causal=True, broadcast_q=broadcast_q)
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert ReadCountingOffsets.reads == ["tolist"]
