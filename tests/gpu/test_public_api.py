@@ -1,5 +1,6 @@
 """`jfa.jagged_attention` on the H200: it runs the TLX kernels (no silent fallback), matches the fp32
-reference forward and backward, and `deterministic=True` repeats its gradients bit for bit."""
+reference forward and backward, `deterministic=True` repeats its gradients bit for bit, outputs
+without scores are differentiable, and GPU offsets cost one sync per call."""
 import warnings
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 import jfa
 from jfa import ops, reference, specs
+from tests.test_empty_outputs import SCORELESS, assert_scoreless_result, out_rows, scoreless_call
 
 pytestmark = pytest.mark.gpu
 
@@ -76,3 +78,46 @@ def test_a_validated_step_captures_in_a_cuda_graph():
     assert torch.equal(out, want)
     for name, got, expected in zip("qkv", grads, want_grads):
         assert torch.equal(got, expected), f"d{name}"
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,broadcast_q", [c[1:] for c in SCORELESS], ids=[c[0] for c in SCORELESS])
+def test_an_output_without_scores_is_differentiable(q_lens, kv_lens, broadcast_q):
+    """No output row, or no key anywhere: zeros and LSE -inf in autograd's graph, zero gradients,
+    as on the CPU (the dispatch answers from the shapes; no kernel and no reference runs)."""
+    q, k, v, q_offsets, kv_offsets = scoreless_call(q_lens, kv_lens, broadcast_q, torch.bfloat16, head_dim=128,
+                                                    device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jfa.ReferenceFallbackWarning)
+        out, lse = jfa.jagged_attention(q, k, v, q_offsets, kv_offsets, causal=True, broadcast_q=broadcast_q,
+                                        return_lse=True)
+        assert_scoreless_result(q, k, v, out, lse, out_rows(q, kv_offsets, broadcast_q))
+
+
+def _syncs(fn):
+    """How many synchronizing CUDA operations (device-to-host reads among them) `fn` makes."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def test_offsets_on_the_gpu_cost_one_sync_per_call():
+    """Validation reads one small summary of both offsets; the kernels take the maxima it found, so
+    an eager forward and backward together sync once; CPU offsets need no sync at all."""
+    q, k, v, offsets, dout = _inputs(seed=torch.seed() % 2**31)
+    kv_offsets = offsets.clone()
+    assert _syncs(lambda: jfa.jagged.validate_jagged_attention(q, k, v, offsets, kv_offsets, causal=True)) == 1
+    cpu_offsets = offsets.cpu()
+    assert _syncs(lambda: jfa.jagged.validate_jagged_attention(q, k, v, cpu_offsets, kv_offsets, causal=True)) == 1
+    assert _syncs(lambda: jfa.jagged.validate_jagged_attention(q, k, v, cpu_offsets, cpu_offsets.clone())) == 0
+
+    def step():
+        out = jfa.jagged_attention(q, k, v, offsets, kv_offsets, causal=True)
+        torch.autograd.grad(out, (q, k, v), dout)
+    step()  # compiles and caches outside the count
+    assert _syncs(step) == 1
