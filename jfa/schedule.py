@@ -5,7 +5,7 @@ the list is ordered decides the load balance: jagged sequences differ in length 
 and if the long tiles come last, the SMs that draw them finish long after the rest sit idle. So the
 list is sorted by work, longest first (a greedy "longest processing time first" deal; the seed
 does the same on the host, then deals in zigzag order, as the forward kernel does when every
-sequence is one query block: `jagged_fwd`, `common.zigzag_tile`).
+sequence is one query block: `jfa.kernels.tiles`).
 
 Building it must not synchronize with the GPU (a `.item()` or `.tolist()` on the offsets would
 stall the CPU until every earlier kernel finished), so it is built on the device, sized by
@@ -17,7 +17,10 @@ kernel walks the list once per head, so the programs running together share K/V 
 
 The order is a *stable* descending sort by work: equal-work entries keep their (sequence, block)
 order, so a sequence's query blocks stay neighbours; for broadcast-Q that keeps the shared Q block
-of a program's consecutive tiles equal (`jagged_fwd._tile_geometry`'s Q reuse relies on it).
+of a program's consecutive tiles equal (the forward's Q reuse relies on it).
+
+An entry's work is the kernels' own count (`query_entry_work`, `key_entry_work`, built from
+`jfa.kernels.masks`), so the list sorts by exactly what the kernels will do.
 
 Two builders produce identical lists:
 - on CUDA, two small Triton launches (`_bin_entries_kernel`, `_scatter_entries_kernel`): work is
@@ -25,8 +28,9 @@ Two builders produce identical lists:
   blocks of the longest query sequence), so a counting sort over work values needs no device-wide
   sort: each chunk of entries counts its work values, and each chunk then places its entries from
   the counts of all chunks. A torch-op build (argsort and friends) costs ~10x more, mostly dispatch;
-- elsewhere (offsets on the CPU, or no work bound given), the torch ops, which are also the
-  reference the Triton builders are tested against.
+- elsewhere (offsets on the CPU, or no work bound given), the same work functions on torch tensors
+  (`jfa.kernels.twin`) and a stable argsort, which are also the reference the Triton builders are
+  tested against.
 
 Schedules are cached per (offsets tensors, their versions, parameters); the cache holds weak
 references, so a freed offsets tensor never matches a new one that happens to reuse its id.
@@ -40,6 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from jfa.kernels.masks import visible_key_range, visible_query_blocks
+from jfa.kernels.tiles import consecutive_key_tiles
+from jfa.kernels.twin import torch_twin
 from jfa.specs import BLOCK_ATTENTION_BLOCK
 
 CACHE_SIZE = 32  # schedules kept; a training step uses a handful of offsets tensors
@@ -82,56 +89,47 @@ class KVTileSchedule:
     max_entries: int
 
 
-# ---- work per entry (torch reference) ----------------------------------------------------------
+# ---- work per entry: the kernels' own counts ---------------------------------------------------------
+
+@triton.jit
+def query_entry_work(q_len, kv_len, q_block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Key tiles a (sequence, query block) entry visits, as the forward and dQ kernels count them
+    (`masks.visible_key_range`, `tiles.consecutive_key_tiles`); -1 past the sequence end. Elementwise."""
+    row_lo = q_block * BLOCK_M
+    row_hi = tl.minimum(row_lo + BLOCK_M, q_len) - 1
+    kv_lo, kv_hi, full_lo, full_hi = visible_key_range(row_lo, row_hi, q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+    _, _, tiles, _, _ = consecutive_key_tiles(0, 0, q_block, kv_lo, kv_hi, full_lo, full_hi, None, BLOCK_N)
+    return tl.where(row_lo < q_len, tiles, -1)
+
+
+@triton.jit
+def key_entry_work(q_len, kv_len, kv_block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Query blocks a (sequence, key block) entry streams, as the dK/dV kernel counts them
+    (`masks.visible_query_blocks`); -1 past the sequence end. Elementwise."""
+    col0 = kv_block * BLOCK_N
+    _, blocks = visible_query_blocks(col0, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    return tl.where(col0 < kv_len, blocks, -1)
+
 
 def kv_tiles_per_entry(q_lens: torch.Tensor, kv_lens: torch.Tensor, q_blocks_per_seq: int, *,
                        block_m: int, block_n: int, causal: bool, window: int | None) -> torch.Tensor:
-    """KV tiles each (sequence, query block) visits, [B, q_blocks_per_seq]; -1 past the sequence end.
-
-    The same range arithmetic as the kernel's `_tile_geometry`, vectorized (int64). Written with
-    few torch ops because each costs a dispatch (microseconds) when the schedule is rebuilt for
-    new offsets; python ints stand in for ranges that do not depend on the sequence.
-    """
-    q_lens = q_lens.to(torch.int64)[:, None]
-    kv_lens = kv_lens.to(torch.int64)[:, None]
-    row_lo = torch.arange(0, q_blocks_per_seq * block_m, block_m, device=q_lens.device,
-                          dtype=torch.int64)
-    row_hi = torch.minimum(row_lo + block_m, q_lens) - 1  # [B, blocks]
-    kv_lo, first_col, kv_hi = 0, 0, kv_lens
-    if causal:
-        kv_hi = torch.minimum(kv_hi, row_hi + (kv_lens - q_lens + 1))
-    if window is not None:
-        kv_lo = (row_lo - window).clamp_(min=0)
-        first_col = kv_lo - kv_lo % block_n
-        kv_hi = torch.minimum(kv_hi, row_hi + (window + 1))
-    tiles = (kv_hi - first_col + (block_n - 1)).div_(block_n, rounding_mode="floor")
-    tiles = torch.where(kv_hi > kv_lo, tiles, 0)
-    return torch.where(row_lo < q_lens, tiles, -1)
+    """Key tiles each (sequence, query block) visits, [B, q_blocks_per_seq] int64; -1 past the sequence
+    end: `query_entry_work` on torch tensors."""
+    blocks = torch.arange(q_blocks_per_seq, device=q_lens.device, dtype=torch.int64)[None, :]
+    return torch_twin(query_entry_work)(q_lens.to(torch.int64)[:, None], kv_lens.to(torch.int64)[:, None], blocks,
+                                        0 if window is None else window, block_m, block_n, causal, window is not None)
 
 
 def q_blocks_per_kv_tile(q_lens: torch.Tensor, kv_lens: torch.Tensor, kv_blocks_per_seq: int, *,
                          block_m: int, block_n: int, causal: bool, window: int | None) -> torch.Tensor:
-    """Query blocks each (sequence, KV block) visits, [B, kv_blocks_per_seq]; -1 past the end.
+    """Query blocks each (sequence, key block) streams, [B, kv_blocks_per_seq] int64; -1 past the end:
+    `key_entry_work` on torch tensors."""
+    blocks = torch.arange(kv_blocks_per_seq, device=q_lens.device, dtype=torch.int64)[None, :]
+    return torch_twin(key_entry_work)(q_lens.to(torch.int64)[:, None], kv_lens.to(torch.int64)[:, None], blocks,
+                                      0 if window is None else window, block_m, block_n, causal, window is not None)
 
-    The same range arithmetic as the backward kernel's `_kv_tile_geometry`, vectorized (int64).
-    """
-    q_lens = q_lens.to(torch.int64)[:, None]
-    kv_lens = kv_lens.to(torch.int64)[:, None]
-    col0 = torch.arange(kv_blocks_per_seq, device=q_lens.device, dtype=torch.int64)[None, :] * block_n
-    col_last = torch.minimum(col0 + block_n, kv_lens) - 1
-    q_lo = torch.zeros_like(col_last)
-    q_hi = q_lens.expand_as(col_last)
-    if causal:
-        q_lo = torch.maximum(q_lo, col0 - (kv_lens - q_lens))
-    if window is not None:
-        q_lo = torch.maximum(q_lo, col0 - window)
-        q_hi = torch.minimum(q_hi, col_last + window + 1)
-    first_row = torch.div(q_lo, block_m, rounding_mode="floor") * block_m
-    blocks = torch.where(q_hi > q_lo, (q_hi - first_row + block_m - 1) // block_m, 0)
-    return torch.where(col0 < kv_lens, blocks, -1)
-
-
-# ---- work per entry (Triton, one vector of entries at a time) ------------------------------------
 
 @triton.jit
 def _sequence_lengths(seq, ok, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len,
@@ -145,56 +143,6 @@ def _sequence_lengths(seq, ok, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len,
         q_len = (tl.load(q_offsets_ptr + seq + 1, mask=ok, other=0).to(tl.int64)
                  - tl.load(q_offsets_ptr + seq, mask=ok, other=0).to(tl.int64))
     return q_len, kv_len
-
-
-@triton.jit
-def _fwd_entry_work(q_len, kv_len, q_block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """`kv_tiles_per_entry` for a vector of entries: KV tiles visited, -1 past the sequence end."""
-    row_lo = q_block * BLOCK_M
-    row_hi = tl.minimum(row_lo + BLOCK_M, q_len) - 1
-    kv_lo = tl.zeros_like(kv_len)
-    kv_hi = kv_len
-    if CAUSAL:
-        kv_hi = tl.minimum(kv_hi, row_hi + (kv_len - q_len + 1))
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(row_lo - window, 0)
-        kv_hi = tl.minimum(kv_hi, row_hi + (window + 1))
-    first_col = (kv_lo // BLOCK_N) * BLOCK_N  # kv_lo >= 0: truncation is floor
-    # kv_hi > kv_lo >= first_col wherever the count is used, so the division is of a positive
-    tiles = tl.where(kv_hi > kv_lo, (kv_hi - first_col + (BLOCK_N - 1)) // BLOCK_N, 0)
-    return tl.where(row_lo < q_len, tiles, -1)
-
-
-@triton.jit
-def visible_query_blocks(col0, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """(first_row, num_blocks): the BLOCK_M-row query blocks, from sequence-local row first_row on,
-    that see a key of the KV tile starting at column col0 (num_blocks 0 when no row does).
-
-    Query i sees key j iff i >= j - (kv_len - q_len) (causal, bottom-right) and j - W <= i <= j + W
-    (window W). Scalars (the backward kernel's tile, `jagged_bwd._kv_tile_geometry`) or vectors
-    (`_bwd_entry_work`, which sorts the tiles by it): one function, so both count the same blocks.
-    """
-    col_last = tl.minimum(col0 + BLOCK_N, kv_len) - 1  # the tile's last real key
-    q_lo = q_len * 0
-    q_hi = q_len
-    if CAUSAL:
-        q_lo = tl.maximum(q_lo, col0 - (kv_len - q_len))
-    if HAS_WINDOW:
-        q_lo = tl.maximum(q_lo, col0 - window)
-        q_hi = tl.minimum(q_hi, col_last + window + 1)
-    first_row = (q_lo // BLOCK_M) * BLOCK_M  # q_lo >= 0: truncation is floor
-    return first_row, tl.where(q_hi > q_lo, (q_hi - first_row + (BLOCK_M - 1)) // BLOCK_M, 0)
-
-
-@triton.jit
-def _bwd_entry_work(q_len, kv_len, kv_block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """`q_blocks_per_kv_tile` for a vector of entries: query blocks visited, -1 past the end."""
-    col0 = kv_block * BLOCK_N
-    _, blocks = visible_query_blocks(col0, q_len, kv_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    return tl.where(col0 < kv_len, blocks, -1)
 
 
 # ---- counting sort by work, longest first (Triton) -----------------------------------------------
@@ -228,9 +176,9 @@ def _bin_entries_kernel(q_offsets_ptr, kv_offsets_ptr, bins_ptr, counts_ptr, num
     q_len, kv_len = _sequence_lengths(seq, ok, q_offsets_ptr, kv_offsets_ptr, broadcast_q_len,
                                       BROADCAST_Q)
     if ENTRIES == FWD_ENTRIES:
-        work = _fwd_entry_work(q_len, kv_len, block, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+        work = query_entry_work(q_len, kv_len, block, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     else:
-        work = _bwd_entry_work(q_len, kv_len, block, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+        work = key_entry_work(q_len, kv_len, block, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     # A max_work below the real maximum (a caller's wrong bound) must not write out of bounds: the
     # list stays a permutation, only the order of the longest entries suffers.
     bins = tl.where(work >= 0, max_work - tl.minimum(work, max_work), max_work + 1).to(tl.int32)

@@ -34,18 +34,17 @@ import triton.language.extra.tlx as tlx
 
 from jfa import specs
 from jfa.kernels.epilogue import store_output, store_rows
-from jfa.kernels.hooks import DEFAULT_FORK, block_visible, softmax_scores
+from jfa.kernels.hooks import DEFAULT_FORK, block_visible, first_visible_key_tile, softmax_scores
 from jfa.kernels.launch import CachedLaunch
 from jfa.kernels.pingpong import pingpong_enter, pingpong_exit, pingpong_start
 from jfa.kernels.producers import load_key_tiles, load_query_rows
 from jfa.kernels.ring import leading_rows, make_ring, ring_index, ring_release, ring_wait
 from jfa.kernels.softmax import finalize_rows, online_softmax_step
-from jfa.kernels.spec import KernelSpec
-from jfa.kernels.tiles import Problem, dealt_tile, loop_segment, query_tile, tile_loop
+from jfa.kernels.spec import TRITON_DTYPE_NAMES, KernelSpec
+from jfa.kernels.tiles import ROWS_PER_CONSUMER, Problem, dealt_tile, loop_segment, query_tile, sm_major, tile_loop
 from jfa.kernels.tma import rows_descriptor
 from jfa.kernels.twin import torch_twin
 
-ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer
 Q_BUFFERS: tl.constexpr = tl.constexpr(2)  # the next tile's Q lands while this one computes
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
 PRODUCER_WARPS = specs.WARPGROUP_WARPS  # the default task is one warpgroup (the kernel's num_warps)
@@ -132,23 +131,6 @@ def _drain(p, acc, v_ring, count, LANE: tl.constexpr, KEYS: tl.constexpr, CFG: t
     acc = tlx.async_dot_wait(0, acc)
     ring_release(v_ring, v_index)
     return acc
-
-
-@triton.jit
-def first_visible_key_tile(tile, num_steps, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           FORK: tl.constexpr):
-    """The first key tile the fork's block_mask admits (`num_steps` when none does); 0 without one."""
-    if FORK.block_mask is None:
-        first = 0
-    else:
-        first = num_steps
-        for back in range(num_steps):
-            n = num_steps - 1 - back
-            col = FORK.key_tile_col(n, tile.first_col, tile.cursor, BLOCK_N)
-            if block_visible(tile.seq, tile.head, tile.row_lo, tile.row_lo + BLOCK_M - 1, col, col + BLOCK_N - 1,
-                             problem.params, FORK):
-                first = n
-    return first
 
 
 @triton.jit
@@ -303,7 +285,13 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
 # ---- host side ------------------------------------------------------------------------------------
 
 _forward_launch = CachedLaunch(_forward_kernel)  # binds its arguments once per specialization
-TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def is_supported(q: torch.Tensor) -> bool:
+    """True when the jagged kernels can run q's problem here: a Hopper GPU, a kernel dtype and head dim
+    (FP8 through its fork)."""
+    return (q.is_cuda and sm_major(q.device) == 9 and q.dtype in specs.SUPPORTED_DTYPES + (torch.float8_e4m3fn,)
+            and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
 
 
 def tile_rows(config: ForwardConfig) -> int:

@@ -11,7 +11,7 @@ iteration (forward and dQ visit key tiles; dK/dV streams query blocks):
     key_tiles(seq, head, q_block, kv_lo, kv_hi, full_lo, full_hi, params, BLOCK_N)
         -> (first_col, cursor, num_tiles, bulk_lo, bulk_hi)   the key tiles a query block visits
     key_tile_col(n, first_col, cursor, BLOCK_N) -> col           the n-th one's first key
-    query_blocks(seq, head, kv_block, num_q_blocks, params) -> (cursor, count)
+    query_blocks(seq, head, kv_block, num_q_blocks, params, BLOCK_M, BLOCK_N) -> (cursor, count)
     query_block_row(block, first_row, cursor, BLOCK_M, BLOCK_N) -> row
 math (scores are fp32 logits already multiplied by sm_scale; q_idx and k_idx are sequence-local
 positions shaped to broadcast against them, so `k_idx - q_idx` is a tile in either orientation):
@@ -106,6 +106,38 @@ def softmax_scores(qk, q_idx, k_idx, seq, head, q_len, kv_len, window, params, q
 
 
 @triton.jit
+def backward_probabilities(s, lse_log2, q_idx, k_idx, seq, head, q_len, kv_len, window, params, qk_scale_log2,
+                           MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FORK: tl.constexpr,
+                           rows_ok=None):
+    """P of one tile of the backward, recomputed from raw Q·K^T `s` and the forward's LSE (log2 units,
+    already broadcast against `s`); invisible pairs get 0 where MASKED, and so do query rows past the
+    sequence end where `rows_ok` is given (a kernel that sums over query rows, dK and dV, needs it).
+
+    The mask applies after the exponential, as a select: a query row that saw no key has LSE -inf,
+    and exp2 of its scores is inf or NaN, never used."""
+    if FORK.score_mod is not None:
+        p = tl.math.exp2(FORK.score_mod(s * (qk_scale_log2 * LN2), seq, head, q_idx, k_idx, params) * LOG2E - lse_log2)
+    else:
+        p = tl.math.exp2(s * qk_scale_log2 - lse_log2)
+    if MASKED:
+        ok = visible(q_idx, k_idx, q_len, kv_len, window, CAUSAL, HAS_WINDOW)
+        if FORK.mask_mod is not None:
+            ok = ok & FORK.mask_mod(seq, head, q_idx, k_idx, params)
+        if rows_ok is not None:
+            ok = ok & rows_ok
+        p = tl.where(ok, p, 0.0)
+    return p
+
+
+@triton.jit
+def score_gradient(ds, s, q_idx, k_idx, seq, head, params, qk_scale_log2, FORK: tl.constexpr):
+    """dS with respect to the sm_scale'd logits: through the fork's score_grad when it modifies scores."""
+    if FORK.score_mod is not None:
+        ds = FORK.score_grad(ds, s * (qk_scale_log2 * LN2), seq, head, q_idx, k_idx, params)
+    return ds
+
+
+@triton.jit
 def block_visible(seq, head, q_lo, q_hi, k_lo, k_hi, params, FORK: tl.constexpr):
     """Whether a key tile may hold a visible pair for these rows: the fork's block_mask, else always."""
     if FORK.block_mask is None:
@@ -113,3 +145,20 @@ def block_visible(seq, head, q_lo, q_hi, k_lo, k_hi, params, FORK: tl.constexpr)
     else:
         ok = FORK.block_mask(seq, head, q_lo, q_hi, k_lo, k_hi, params)
     return ok
+
+
+@triton.jit
+def first_visible_key_tile(tile, num_steps, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           FORK: tl.constexpr):
+    """The first key tile the fork's block_mask admits (`num_steps` when none does); 0 without one."""
+    if FORK.block_mask is None:
+        first = 0
+    else:
+        first = num_steps
+        for back in range(num_steps):
+            n = num_steps - 1 - back
+            col = FORK.key_tile_col(n, tile.first_col, tile.cursor, BLOCK_N)
+            if block_visible(tile.seq, tile.head, tile.row_lo, tile.row_lo + BLOCK_M - 1, col, col + BLOCK_N - 1,
+                             problem.params, FORK):
+                first = n
+    return first

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv"}  # signature names
 TRITON_DEFAULT_NUM_STAGES = 3  # triton.backends.nvidia.compiler.CUDAOptions.num_stages
 
 

@@ -23,6 +23,8 @@ import triton.language as tl
 
 from jfa.kernels.masks import visible_key_range, visible_query_blocks
 
+ROWS_PER_CONSUMER: tl.constexpr = tl.constexpr(64)  # one wgmma M-tile of query rows per consumer warpgroup
+
 
 # ---- the persistent deal ---------------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ def key_tile(tile, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL
 
 
 @triton.jit
-def consecutive_query_blocks(seq, head, kv_block, num_q_blocks, params):
+def consecutive_query_blocks(seq, head, kv_block, num_q_blocks, params, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The default dK/dV iteration: (cursor, count) of the query blocks streamed past a key tile,
     every visible one in order; `cursor` is unused."""
     return num_q_blocks, num_q_blocks

@@ -22,6 +22,7 @@ import types
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 
 class TwinPointer:
@@ -84,10 +85,14 @@ TL_SHIM = types.SimpleNamespace(
     math=_MATH, **{name: getattr(_MATH, name) for name in vars(_MATH)}, **_DTYPES)
 
 
+# What `@triton.jit` makes: a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction.
+JIT_FUNCTION_TYPES = (triton.runtime.JITFunction, InterpretedFunction)
+
+
 def _twin_global(value):
     if value is tl or value is tl.math:
         return TL_SHIM if value is tl else _MATH
-    if isinstance(value, triton.runtime.JITFunction):
+    if isinstance(value, JIT_FUNCTION_TYPES):
         return torch_twin(value)
     if isinstance(value, tl.constexpr):
         return value.value
@@ -97,7 +102,7 @@ def _twin_global(value):
 @functools.cache
 def torch_twin(fn):
     """The PyTorch twin of a `@triton.jit` function (see the module docstring for what it may use)."""
-    if not isinstance(fn, triton.runtime.JITFunction):
+    if not isinstance(fn, JIT_FUNCTION_TYPES):
         raise TypeError(f"torch_twin: expected a @triton.jit function, got {type(fn).__name__}")
     python_fn = fn.fn
     namespace = _TwinGlobals(python_fn.__globals__)

@@ -299,8 +299,12 @@ def compile_spec(spec: KernelSpec, target: str):
     if unknown:
         raise ValueError(f"KernelSpec {spec.name!r}: `aligned` names {unknown}, which are not integer "
                          f"arguments; list only i32/i64 arguments there")
-    divisible = [name for name, ty in signature.items() if ty.startswith("*")] + list(spec.aligned)
-    attrs = {(arg_index[name],): [["tt.divisibility", ALIGNMENT_BYTES]] for name in divisible}
+    # Pointers (also inside a tuple argument, such as a fork's params) and the aligned integers.
+    divisible = [(arg_index[name],) for name, ty in signature.items() if isinstance(ty, str) and ty.startswith("*")]
+    divisible += [(arg_index[name], i) for name, ty in signature.items() if isinstance(ty, tuple)
+                  for i, element in enumerate(ty) if element.startswith("*")]
+    divisible += [(arg_index[name],) for name in spec.aligned]
+    attrs = {path: [["tt.divisibility", ALIGNMENT_BYTES]] for path in divisible}
     source = ASTSource(fn=spec.fn, signature=signature, constexprs=spec.constexprs, attrs=attrs)
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     if INSPECT_TARGETS[target] >= BLACKWELL_ARCH:

@@ -1,0 +1,219 @@
+"""Every configuration choice of the jagged attention kernels, made in one place: `select`.
+
+A call's `Shape` (what the host knows without a GPU sync: sizes, flags, bounds) decides, for each
+kernel of the call, its compile-time configuration: the forward's (`fwd_sm90.ForwardConfig`), the
+dK/dV kernel's (`bwd_dkdv.DKDVConfig`) and, unless dQ is fused into that one, the dQ kernel's
+(`bwd_dq.DQConfig`). Feature flags (head dim, causal, window, broadcast-Q, the fork) pass straight
+through and multiply; the tunings below are few, and each says in one line what it buys. The
+measurements behind them are in docs/decisions.md.
+
+`reachable_configs()` enumerates what `select` can return, per kernel, for one dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import NamedTuple
+
+from jfa import specs
+from jfa.kernels.bwd_dkdv import DQ_NONE, DQ_RESIDENT, DQ_SPLIT, DKDVConfig
+from jfa.kernels.bwd_dq import DQConfig
+from jfa.kernels.fwd_sm90 import ForwardConfig
+from jfa.kernels.tiles import ROWS_PER_CONSUMER
+
+# ---- forward ----------------------------------------------------------------------------------------
+# The base tiles: 128 keys per tile; at D=128 two K/V slots fill 192 of the 227 KB of shared memory,
+# at D=64 three. 240 (232) consumer registers keep the key loop free of spills.
+FWD_BASE = {128: dict(BLOCK_N=128, KV_BUFFERS=2, CONSUMERS=2, CONSUMER_REGISTERS=240),
+            64: dict(BLOCK_N=128, KV_BUFFERS=3, CONSUMERS=2, CONSUMER_REGISTERS=232)}
+# Short queries (every query sequence fits one consumer's 64 rows): two heads per tile, so the second
+# consumer computes real rows instead of padding; the K/V ring carries both heads' tiles.
+FWD_SHORT_QUERIES = {128: dict(BLOCK_N=64, KV_BUFFERS=2, CONSUMERS=2, CONSUMER_REGISTERS=232),
+                     64: dict(BLOCK_N=128, KV_BUFFERS=2, CONSUMERS=2, CONSUMER_REGISTERS=232)}
+# Short keys (at most SHORT_KEYS_MEAN per sequence on average): 64-key tiles in a 4-deep ring halve
+# what of a tile does not overlap (GEM L=256-512 +4.5-8%).
+FWD_SHORT_KEYS = {128: dict(BLOCK_N=64, KV_BUFFERS=4, CONSUMERS=2, CONSUMER_REGISTERS=240)}
+SHORT_KEYS_MEAN = 384
+# Long sequences at D=64 (queries and keys both average at least LONG_MEAN): three consumers of 64
+# rows share each K/V tile (dense D=64 +15%).
+FWD_LONG = {64: dict(BLOCK_N=128, KV_BUFFERS=3, CONSUMERS=3, CONSUMER_REGISTERS=160)}
+LONG_MEAN = 1024
+# Half last tiles when no key sequence is longer than this (GEM L=256 s=0.5 +8-9%; compiled in where
+# no tile is partial it costs 1.5-2.6%).
+HALF_TAIL_MAX_KEYS = 256
+MIN_HALF_TILE_KEYS = 32  # a half tile is a wgmma's N, which starts at 32
+
+# ---- dQ kernel --------------------------------------------------------------------------------------
+# dQ holds the accumulator, S, dP and dS per consumer: 64-key tiles, and a K/V ring deep enough that a
+# K slot, freed a step later than in the forward, never stalls the producer (1.03-1.14x over two
+# slots); at D=128 one Q/dO slot pays for the depth.
+DQ_BASE = {128: dict(BLOCK_N=64, KV_BUFFERS=4, Q_BUFFERS=1, CONSUMER_REGISTERS=240),
+           64: dict(BLOCK_N=64, KV_BUFFERS=3, Q_BUFFERS=2, CONSUMER_REGISTERS=232)}
+DQ_SHORT_QUERIES_BLOCK_N = {128: 32, 64: 64}  # two heads per tile double the ring's tiles
+# Broadcast-Q's fp32 partials take 64 KB of layout-conversion scratch at D=128: three K/V slots fit.
+DQ_PARTIALS_KV_BUFFERS = {128: 3}
+
+# ---- dK/dV kernel -----------------------------------------------------------------------------------
+# The base: 128-key tiles (64 per consumer), 64-row query blocks; a second K/V slot lets the next tile
+# land while this one's last blocks run (6-10%). At D=64 the mask-free bulk loop pays (14-43%); at
+# D=128 its extra loops made ptxas reload spilled values.
+DKDV_BASE = {128: dict(BLOCK_M=64, BLOCK_N=128, Q_BUFFERS=2, KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=False),
+             64: dict(BLOCK_M=64, BLOCK_N=128, Q_BUFFERS=3, KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True)}
+# Fused dQ (DQ_SPLIT) where its fewer GEMMs pay: from a mean of FUSED_MIN_MEAN_QUERIES query rows per
+# sequence (GEM L>=1024 1.05-1.08x, dense 1.08x; shorter query streams give a key tile too few steps),
+# not past FUSED_MAX_MEAN_KEYS keys, and with broadcast-Q only where its per-program dQ copies do not
+# outnumber the dQ kernel's per-sequence partials. Its staging leaves room for one K/V slot at D=128.
+FUSED_HEAD_DIMS = (128,)
+FUSED_MIN_MEAN_QUERIES = 512
+FUSED_KV_BUFFERS = {128: 1, 64: 2}
+# Broadcast-Q with one query block per key head (DQ_RESIDENT): dQ summed in registers, no adds
+# (PMA q=64 1.40x at D=128); K, V and dO of the next tile land a tile ahead.
+RESIDENT = {128: dict(KV_BUFFERS=2, V_BUFFERS=2, Q_BUFFERS=1), 64: dict(KV_BUFFERS=4, V_BUFFERS=4, Q_BUFFERS=1)}
+
+
+class Shape(NamedTuple):
+    """What decides a call's configurations, all known on the host without a GPU sync."""
+
+    head_dim: int
+    q_heads: int
+    kv_heads: int
+    total_q: int  # packed query rows (the shared query's with broadcast-Q)
+    total_kv: int
+    num_seqs: int
+    max_seq_len_q: int
+    max_seq_len_kv: int
+    causal: bool
+    window: int | None
+    broadcast_q: bool
+    num_sms: int = specs.H200_SM_COUNT
+    deterministic: bool = False
+    base_tiles: bool = False  # a fork that takes the base tiles only (FP8, block-sparse)
+    block_sparse: bool = False  # the iteration visits a selection's 128 x 128 blocks
+    block_mask: bool = False  # a fork skips key tiles by a block-level mask (head by head, whole tiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The kernels' configurations for one call."""
+
+    forward: ForwardConfig
+    dkdv: DKDVConfig
+    dq: DQConfig | None  # None: dQ is fused into the dK/dV kernel
+
+
+def _mean(total: int, seqs: int) -> float:
+    return total / max(seqs, 1)
+
+
+def _features(shape: Shape) -> dict:
+    return dict(CAUSAL=bool(shape.causal), HAS_WINDOW=shape.window is not None, BROADCAST_Q=bool(shape.broadcast_q))
+
+
+def heads_per_tile(shape: Shape) -> int:
+    """2 when every query sequence fits one consumer's rows and the heads pair up (not with a fork whose
+    iteration or block mask is per head), else 1."""
+    paired = (shape.max_seq_len_q <= ROWS_PER_CONSUMER.value and shape.q_heads % 2 == 0
+              and not (shape.base_tiles or shape.block_mask))
+    return 2 if paired else 1
+
+
+def forward_config(shape: Shape) -> ForwardConfig:
+    """The forward kernel's configuration."""
+    d = shape.head_dim
+    pairs = heads_per_tile(shape)
+    mean_q = shape.total_q if shape.broadcast_q else _mean(shape.total_q, shape.num_seqs)
+    mean_kv = _mean(shape.total_kv, shape.num_seqs)
+    plain = not (shape.base_tiles or shape.block_mask)
+    if pairs == 2:
+        tuning = FWD_SHORT_QUERIES[d]
+    elif plain and d in FWD_LONG and min(mean_q, mean_kv) >= LONG_MEAN:
+        tuning = FWD_LONG[d]
+    elif plain and d in FWD_SHORT_KEYS and mean_kv <= SHORT_KEYS_MEAN:
+        tuning = FWD_SHORT_KEYS[d]
+    else:
+        tuning = FWD_BASE[d]
+    half_tail = (plain and pairs == 1 and shape.max_seq_len_kv <= HALF_TAIL_MAX_KEYS
+                 and tuning["BLOCK_N"] // 2 >= MIN_HALF_TILE_KEYS)
+    return ForwardConfig(HEAD_DIM=d, HEADS_PER_TILE=pairs, HALF_TAIL=half_tail, **tuning, **_features(shape))
+
+
+def dq_config(shape: Shape) -> DQConfig:
+    """The dQ kernel's configuration."""
+    d = shape.head_dim
+    pairs = heads_per_tile(shape)
+    tuning = dict(DQ_BASE[d])
+    if pairs == 2:
+        tuning["BLOCK_N"] = DQ_SHORT_QUERIES_BLOCK_N[d]
+    if shape.broadcast_q:
+        tuning["KV_BUFFERS"] = DQ_PARTIALS_KV_BUFFERS.get(d, tuning["KV_BUFFERS"])
+    plain = not (shape.base_tiles or shape.block_mask)
+    half_tail = (plain and shape.max_seq_len_kv <= HALF_TAIL_MAX_KEYS
+                 and tuning["BLOCK_N"] // 2 >= MIN_HALF_TILE_KEYS)
+    return DQConfig(HEAD_DIM=d, HEADS_PER_TILE=pairs, HALF_TAIL=half_tail, **tuning, **_features(shape))
+
+
+def dq_strategy(shape: Shape) -> int:
+    """DQ_RESIDENT, DQ_SPLIT or DQ_NONE (the dQ kernel) for this call (the module's tunings)."""
+    if shape.block_sparse:
+        return DQ_NONE.value
+    one_block = (shape.broadcast_q and shape.total_q <= DKDV_BASE[shape.head_dim]["BLOCK_M"]
+                 and shape.q_heads == shape.kv_heads)
+    if shape.broadcast_q and shape.num_sms > shape.num_seqs:
+        return DQ_NONE.value  # a fused mode's dQ copy per program would outnumber the per-sequence partials
+    if one_block:  # deterministic as well: each program stores its dQ once
+        return DQ_RESIDENT.value
+    if shape.deterministic or shape.head_dim not in FUSED_HEAD_DIMS:
+        return DQ_NONE.value
+    if shape.broadcast_q:
+        fused = True
+    else:
+        fused = _mean(shape.total_q, shape.num_seqs) >= FUSED_MIN_MEAN_QUERIES
+    return DQ_SPLIT.value if fused else DQ_NONE.value
+
+
+def dkdv_config(shape: Shape, strategy: int) -> DKDVConfig:
+    """The dK/dV kernel's configuration for a dQ strategy."""
+    d = shape.head_dim
+    tuning = dict(DKDV_BASE[d])
+    tuning["V_BUFFERS"] = tuning["KV_BUFFERS"]
+    early_v = False
+    if strategy == DQ_SPLIT.value:
+        tuning["KV_BUFFERS"] = tuning["V_BUFFERS"] = FUSED_KV_BUFFERS[d]
+        # One K/V slot: V's own barrier lets the next tile's V land under the last step (PMA 1.04-1.07x;
+        # a tile of self-attention runs enough steps to hide it).
+        early_v = bool(shape.broadcast_q)
+    elif strategy == DQ_RESIDENT.value:
+        tuning.update(RESIDENT[d])
+        early_v = True
+    return DKDVConfig(HEAD_DIM=d, DQ=strategy, EARLY_V_RELEASE=early_v, **tuning, **_features(shape))
+
+
+def select(shape: Shape) -> Plan:
+    """Every kernel's configuration for a call of this shape."""
+    strategy = dq_strategy(shape)
+    return Plan(forward=forward_config(shape), dkdv=dkdv_config(shape, strategy),
+                dq=dq_config(shape) if strategy == DQ_NONE.value else None)
+
+
+def reachable_configs() -> dict[str, set]:
+    """The configurations `select` returns over the shapes that tell its choices apart, per kernel
+    (one dtype: the dtype is a kernel argument's type, not part of these)."""
+    seen = {"forward": set(), "dq": set(), "dkdv": set()}
+    # query rows, key rows per sequence (means and maxima alike), sequences: short, mid, long
+    sizes = ((32, 100), (32, 2048), (200, 200), (512, 512), (1024, 1024), (4096, 4096))
+    for d, causal, window, bq, (lq, lk), seqs, det, sparse in itertools.product(
+            specs.SUPPORTED_HEAD_DIMS, (False, True), (None, 8), (False, True), sizes, (4, 1152), (False, True),
+            (False, True)):
+        if sparse and (bq or window is not None):
+            continue
+        total_q = lq if bq else lq * seqs
+        shape = Shape(head_dim=d, q_heads=4, kv_heads=4, total_q=total_q, total_kv=lk * seqs, num_seqs=seqs,
+                      max_seq_len_q=lq, max_seq_len_kv=lk, causal=causal, window=window, broadcast_q=bq,
+                      deterministic=det, base_tiles=sparse, block_sparse=sparse)
+        plan = select(shape)
+        seen["forward"].add(plan.forward)
+        seen["dkdv"].add(plan.dkdv)
+        if plan.dq is not None:
+            seen["dq"].add(plan.dq)
+    return seen
