@@ -20,6 +20,8 @@ import torch
 from jfa import dispatch, reference, specs
 from jfa.jagged import OFFSET_DTYPES, check_jagged_tensors
 from jfa.kernels import rotary
+from jfa.kernels.tiles import num_sms, persistent_programs
+from jfa.schedule import build_block_table
 
 __all__ = ["block_attention", "fused_projection_rotary_block_attention"]
 
@@ -96,14 +98,83 @@ def _check_fused_inputs(x, w, sinu_pos, offsets, q_heads, kv_heads, bias):
 
 # ---- dispatch -------------------------------------------------------------------------------
 
-def _block_kernels(q: torch.Tensor, *others: torch.Tensor):
-    """`jfa.kernels.block_attn` where its kernels run on these tensors; None elsewhere, where the
+def _kernels_run(q: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the kernels of `jfa.kernels.block_attn` run on these tensors; where they do not, the
     reference runs (said once per reason)."""
     why = dispatch.why_not_kernel("block_attn", q, *others)
     if why is not None:
         dispatch.warn_fallback(f"block attention: {why}")
-        return None
-    return dispatch.load_kernel_module("block_attn")[0]
+        return False
+    return True
+
+
+# ---- the kernels' launches ------------------------------------------------------------------
+
+def _block_table_and_programs(q: torch.Tensor, offsets: torch.Tensor, units_per_block: int):
+    """The block table on q's device (`schedule.build_block_table`) and a persistent grid for its units."""
+    blocks = build_block_table(offsets.to(q.device), q.shape[0])
+    return blocks, persistent_programs(num_sms(q.device), blocks[0].numel() * units_per_block)
+
+
+def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """The forward kernel on validated inputs it runs on (`_kernels_run`): out [T, Hq, D] in q's dtype.
+
+    `out` (contiguous, q's shape and dtype) lets the GPU tests pass a poisoned buffer.
+    """
+    block_attn = dispatch.load_kernel_module("block_attn")[0]
+    rows, heads_q, head_dim = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if rows == 0 or heads_q == 0:
+        return out
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    blocks, programs = _block_table_and_programs(q, offsets, heads_q)
+    block_attn.launch_forward(q, k, v, out, blocks, block_attn.forward_config(head_dim, heads_q // k.shape[1]),
+                              programs=programs)
+    return out
+
+
+def _launch_backward(q, k, v, offsets, dout, dq, dk, dv, sinu_pos=None):
+    """The backward kernel into dq, dk, dv: [T, H, D] tensors, or with `sinu_pos` the column slices of dz."""
+    block_attn = dispatch.load_kernel_module("block_attn")[0]
+    heads_q, head_dim = q.shape[1:]
+    heads_kv = k.shape[1]
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+    blocks, programs = _block_table_and_programs(q, offsets, heads_kv)
+    config = block_attn.backward_config(head_dim, heads_q // heads_kv, rotary=sinu_pos is not None)
+    block_attn.launch_backward(q, k, v, dout, dq, dk, dv, blocks, config, programs=programs, sinu_pos=sinu_pos)
+
+
+def block_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                        dout: torch.Tensor, grads: tuple | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernel on validated inputs it runs on: (dq, dk, dv) in their dtype; P is recomputed.
+
+    `grads` optionally gives the (dq, dk, dv) buffers to fill (contiguous; the GPU tests poison them).
+    """
+    dq, dk, dv = grads or tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if q.shape[0] and q.shape[1]:
+        _launch_backward(q, k, v, offsets, dout, dq, dk, dv)
+    return dq, dk, dv
+
+
+def block_attention_rotary_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                               dout: torch.Tensor, sinu_pos: torch.Tensor,
+                               dz: torch.Tensor | None = None) -> torch.Tensor:
+    """Backward of rotary + block attention by the kernel's rotary epilogue: dz [M, (Hq + 2*Hkv) * D].
+
+    q, k, v are the *rotated* tensors the forward attended with. The epilogue applies the conjugate
+    rotation to dQ, dK, dV in fp32 and stores them side by side: columns [0, Hq*D) hold dQ, then
+    Hkv*D columns of dK, then Hkv*D of dV, the layout of ``x @ w`` that produced q, k, v.
+    """
+    rows, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    width = (heads_q + 2 * heads_kv) * head_dim
+    dz = torch.empty(rows, width, dtype=q.dtype, device=q.device) if dz is None else dz
+    if rows and heads_q:
+        _launch_backward(q, k, v, offsets, dout, dz, dz[:, heads_q * head_dim:],
+                         dz[:, (heads_q + heads_kv) * head_dim:], sinu_pos)
+    return dz
 
 
 def _split_heads(qkv: torch.Tensor, q_heads: int, kv_heads: int):
@@ -142,9 +213,8 @@ def _reference_grads(fn, inputs, grad_out):
 
 @torch.library.custom_op("jfa::block_attention", mutates_args=())
 def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    kernels = _block_kernels(q, k, v)
-    if kernels is not None:
-        return kernels.block_attention_fwd(q, k, v, offsets)
+    if _kernels_run(q, k, v):
+        return block_attention_fwd(q, k, v, offsets)
     return reference.block_attention_ref(q, k, v, offsets).to(q.dtype)
 
 
@@ -156,9 +226,8 @@ def _(q, k, v, offsets):
 @torch.library.custom_op("jfa::block_attention_backward", mutates_args=())
 def _block_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                                  dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kernels = _block_kernels(q, k, v, dout)
-    if kernels is not None:
-        return kernels.block_attention_bwd(q, k, v, offsets, dout)
+    if _kernels_run(q, k, v, dout):
+        return block_attention_bwd(q, k, v, offsets, dout)
     return _reference_grads(lambda q_, k_, v_: reference.block_attention_ref(q_, k_, v_, offsets), (q, k, v), dout)
 
 
@@ -197,8 +266,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
 def _rotary_block_attention_op(qkv: torch.Tensor, sinu_pos: torch.Tensor, offsets: torch.Tensor,
                                q_heads: int, kv_heads: int) -> torch.Tensor:
     q, k, v = _rotated_heads(qkv, sinu_pos, q_heads, kv_heads)
-    kernels = _block_kernels(q, k, v)
-    out = kernels.block_attention_fwd(q, k, v, offsets) if kernels is not None else \
+    out = block_attention_fwd(q, k, v, offsets) if _kernels_run(q, k, v) else \
         reference.block_attention_ref(q, k, v, offsets).to(q.dtype)
     return out.reshape(qkv.shape[0], -1)
 
@@ -213,9 +281,8 @@ def _(qkv, sinu_pos, offsets, q_heads, kv_heads):
 def _rotary_block_attention_backward_op(qkv: torch.Tensor, sinu_pos: torch.Tensor, offsets: torch.Tensor,
                                         dout: torch.Tensor, q_heads: int, kv_heads: int) -> torch.Tensor:
     q, k, v = _rotated_heads(qkv, sinu_pos, q_heads, kv_heads)
-    kernels = _block_kernels(q, k, v)
-    if kernels is not None:
-        return kernels.block_attention_rotary_bwd(q, k, v, offsets, dout.reshape(q.shape), sinu_pos)
+    if _kernels_run(q, k, v):
+        return block_attention_rotary_bwd(q, k, v, offsets, dout.reshape(q.shape), sinu_pos)
 
     def rotary_attention(qkv_):
         q_, k_, v_ = (reference.rotary_ref(t, sinu_pos) for t in _split_heads(qkv_, q_heads, kv_heads))

@@ -11,24 +11,31 @@ import torch
 
 from jfa import specs
 from jfa.kernels import block_attn
+from jfa.schedule import build_block_table
 from jfa.workbench.inspect import inspect
 
 CONFIGS = [
-    dict(direction="fwd", head_dim=64),
-    dict(direction="fwd", head_dim=128),
-    dict(direction="fwd", head_dim=64, group=2, dtype=torch.float16),
-    dict(direction="fwd", head_dim=128, group=4),
-    dict(direction="bwd", head_dim=64),
-    dict(direction="bwd", head_dim=128),
-    dict(direction="bwd", head_dim=64, group=2, dtype=torch.float16),
-    dict(direction="bwd", head_dim=64, rotary=True),
-    dict(direction="bwd", head_dim=128, group=2, rotary=True),
+    (block_attn.forward_config(64), torch.bfloat16),
+    (block_attn.forward_config(128), torch.bfloat16),
+    (block_attn.forward_config(64, group=2), torch.float16),
+    (block_attn.forward_config(128, group=4), torch.bfloat16),
+    (block_attn.backward_config(64), torch.bfloat16),
+    (block_attn.backward_config(128), torch.bfloat16),
+    (block_attn.backward_config(64, group=2), torch.float16),
+    (block_attn.backward_config(64, rotary=True), torch.bfloat16),
+    (block_attn.backward_config(128, group=2, rotary=True), torch.bfloat16),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_kernel_compiles_for_sm90(cfg):
-    report = inspect(block_attn.inspect_spec(**cfg), target="sm_90")
+def _id(case):
+    config, dtype = case
+    fields = "-".join(f"{k}={v}" for k, v in config._asdict().items())
+    return f"{type(config).__name__}-{fields}-{str(dtype).split('.')[-1]}"
+
+
+@pytest.mark.parametrize("case", CONFIGS, ids=[_id(c) for c in CONFIGS])
+def test_kernel_compiles_for_sm90(case):
+    report = inspect(block_attn.inspect_spec(*case), target="sm_90")
     counts = report.instructions
     assert counts["wgmma.mma_async"] > 0
     assert counts["TMA load (cp.async.bulk.tensor g->s)"] > 0
@@ -46,24 +53,22 @@ def test_rotary_epilogue_stays_in_registers(head_dim):
     No fp32 tile changes layout (the only conversions are the bf16 tiles' on their way to the
     masked stores, as without rotary), and nothing spills.
     """
-    report = inspect(block_attn.inspect_spec(direction="bwd", head_dim=head_dim, rotary=True), want_ttgir=True)
+    report = inspect(block_attn.inspect_spec(block_attn.backward_config(head_dim, rotary=True)), want_ttgir=True)
     converted = re.findall(r"ttg\.convert_layout %\S+ : tensor<[\dx]+x(\w+),", report.ttgir)
     assert converted and set(converted) == {"bf16"}
     assert report.spill_bytes == {"stores": 0, "loads": 0}
 
 
-def test_inspect_spec_rejects_bad_options():
-    with pytest.raises(ValueError, match="direction"):
-        block_attn.inspect_spec(direction="sideways")
-    with pytest.raises(ValueError, match="rotary"):
-        block_attn.inspect_spec(direction="fwd", rotary=True)
+def test_inspect_spec_names_what_it_takes():
+    with pytest.raises(TypeError, match="ForwardConfig or a BackwardConfig"):
+        block_attn.inspect_spec(dict(HEAD_DIM=64))
 
 
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 64, 65, 128, 0, 2, 127, 129], [5], [0, 0], [64] * 7])
 def test_block_table_lists_every_block_once(lengths):
     """The GPU-built block list (run here on the CPU: same torch ops) names each block exactly once."""
     offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    start, rows, count = block_attn.build_block_table(offsets, sum(lengths))
+    start, rows, count = build_block_table(offsets, sum(lengths))
     n = int(count.item())
     expected = [(o + s, min(64, length - s)) for o, length in zip(offsets.tolist(), lengths)
                 for s in range(0, length, 64)]
@@ -73,5 +78,5 @@ def test_block_table_lists_every_block_once(lengths):
 
 def test_ring_depth_fits_shared_memory():
     for head_dim in specs.SUPPORTED_HEAD_DIMS:
-        assert block_attn.fwd_ring_depth(head_dim) >= 2
-        assert block_attn.bwd_ring_depth(head_dim) >= 2
+        assert block_attn.forward_config(head_dim).RING_DEPTH >= 2
+        assert block_attn.backward_config(head_dim).RING_DEPTH >= 2

@@ -3,82 +3,121 @@
 Because the attention pattern is fixed, a block is one whole softmax problem: one QK GEMM, a plain
 softmax (no running max, no correction, no log-sum-exp written to memory), one PV GEMM. The backward
 recomputes P from Q and K and derives everything else from the same block, so it needs no separate
-``Delta`` pass either.
+Delta pass either.
 
-Work split. A *unit* is (head, block). The list of blocks is built on the GPU from the offsets
-(``jfa.schedule.build_block_table``: start row and real row count of each block, plus the block
-count as a one-element device tensor), so launching needs no host synchronisation. A fixed grid of
-persistent programs (one per SM) deals the units out round-robin: program ``p`` takes units
-``p, p+P, ...``.
+Work split. A *unit* is (block, head). The runtime builds the list of blocks on the GPU from the
+offsets (`jfa.schedule.build_block_table`: start row and real row count of each block, and the block
+count as a one-element device tensor), so a launch needs no host synchronisation. A persistent grid
+(one program per SM) deals the units out round robin: program p takes units p, p+P, ...
 
-Warp layout of one program (Hopper warp specialisation):
-- a producer warpgroup (the default task, few registers) streams the tiles of each unit by TMA into
-  a ring of shared-memory slots, each slot with a ``full`` mbarrier (TMA bytes landed) and an
-  ``empty`` mbarrier (the consumer is done with it);
-- ``NUM_CONSUMERS`` consumer warpgroups (most registers), each owning whole 64-row blocks: consumer
-  ``c`` takes the program's units ``c, c+NUM_CONSUMERS, ...`` so the two overlap one another's
-  softmax with the other's GEMMs.
+Warp roles of one program:
+- the producer (the default task, one warpgroup, few registers) loads each unit's tiles by TMA into
+  one slot of a ring (`jfa.kernels.ring`): Q, K and V (and dO in the backward) side by side, landing
+  on the slot's one full barrier;
+- CONSUMERS consumer warpgroups (most registers), each owning whole 64-row blocks: the program's k-th
+  unit goes to consumer k % CONSUMERS, so one consumer's softmax overlaps the other's GEMMs.
 
 Partial blocks: the TMA box always reads 64 rows; rows past the sequence end belong to the next
 sequence (or are zero-filled past the tensor end). Their keys are masked to -inf, their queries get
 P = 0 in the backward so they add nothing to dK/dV, and their output rows are never stored.
 
-GQA (``Hq = GROUP * Hkv``): the forward's unit is a query head. The backward's unit is a KV head and
+GQA (Hq = GROUP * Hkv): the forward's unit is a query head. The backward's unit is a key head and
 it loops over the GROUP query heads that read it, accumulating dK and dV in registers: the group sum
 is a register reduction, deterministic and without atomics.
 
-Fused rotary backward (``ROTARY_EPILOGUE``): the same backward kernel applies the conjugate rotary
-rotation to dQ, dK, dV while they are fp32 registers and stores them side by side into one tensor
-``dz[M, (Hq + 2*Hkv) * D]``, which the caller multiplies by the projection weight. The rotation
-never leaves registers: the angles are loaded straight into the accumulator's layout, and each
-gradient is rotated and stored one half of its columns at a time, dK and dV sharing the angles
-(see ``_store_grads``).
+Fused rotary backward (ROTARY): the backward applies the conjugate rotary rotation to dQ, dK, dV
+while they are fp32 registers and stores them side by side into one tensor
+`dz[M, (Hq + 2*Hkv) * D]`, which the caller multiplies by the projection weight. The rotation never
+leaves registers: the angles are loaded straight into the accumulator's layout, and each gradient is
+rotated and stored one half of its columns at a time, dK and dV sharing the angles (`_store_grads`).
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
-from jfa.kernels.common import LOG2E, persistent_programs, ring_slot, rows_descriptor, sm_major
-from jfa.kernels.launch import CachedLaunch
-from jfa.schedule import build_block_table
-from jfa.specs import BLOCK_ATTENTION_BLOCK
 
-# tl.constexpr globals are readable inside @triton.jit functions; plain ints are not
-BLOCK = tl.constexpr(BLOCK_ATTENTION_BLOCK)
-NUM_CONSUMERS = 2  # consumer warpgroups per program (a kernel argument, so each config can differ)
-WARPS_PER_GROUP = tl.constexpr(4)  # a Hopper warpgroup: the unit that issues one wgmma
-# setmaxnreg budget of a consumer; the producer (TMA issue only) keeps the rest, 24. The backward's
-# dQ epilogue holds dK, dV and dQ ([64, D] fp32 each, 192 registers a thread at D=128): at 232 it spilled.
-CONSUMER_REGISTERS = tl.constexpr(240)
-# Triton's num_stages for both kernels: its default, which every block-attention timing in results/
-# was measured with; inspect_spec compiles at the same value so its report is of the kernel that runs.
-# (A consumer takes one 64-token block against its one key tile and waits for each wgmma as soon as
-# it is issued, so the pipeliner's waits change nothing here; jagged_fwd.NUM_STAGES is where they do.)
+from jfa import specs
+from jfa.kernels.launch import CachedLaunch
+from jfa.kernels.ring import make_ring, ring_acquire, ring_release, ring_wait
+from jfa.kernels.rotary import rotate_pairs
+from jfa.kernels.softmax import LOG2E
+from jfa.kernels.spec import TRITON_DTYPE_NAMES, KernelSpec
+from jfa.kernels.tiles import sm_major, tile_loop
+from jfa.kernels.tma import rows_descriptor
+
+BLOCK: tl.constexpr = tl.constexpr(specs.BLOCK_ATTENTION_BLOCK)
+WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
+CONSUMERS = 2  # consumer warpgroups per program
+# setmaxnreg budget of a consumer; the producer (TMA issue only) keeps the rest. The backward's dQ
+# epilogue holds dK, dV and dQ, three [64, D] fp32 tiles (192 registers a thread at D=128).
+CONSUMER_REGISTERS: tl.constexpr = tl.constexpr(240)
+# Triton's default. A consumer waits for each wgmma as soon as it is issued, so the software
+# pipeliner has nothing to overlap here (unlike the jagged forward's, launched at 0).
 NUM_STAGES = 3
-SMEM_BUDGET_BYTES = 200 * 1024  # ring + staging must fit Hopper's 227 KiB with room for barriers
+SMEM_BUDGET_BYTES = 200 * 1024  # ring and staging within Hopper's 227 KiB, with room for the barriers
 MAX_RING_DEPTH = 4
 
 FWD_TILES_PER_SLOT = 3  # Q, K, V
 BWD_TILES_PER_SLOT = 4  # Q, K, V, dO
-BWD_STAGING_TILES = 2  # P and dS, bf16 [64, 64] per consumer: the A operands of the transposed GEMMs
+BWD_STAGING_TILES = 2  # P and dS, [64, 64] per consumer: the A operands of the transposed GEMMs
 
 
-def ring_depth(head_dim: int, tiles_per_slot: int, staging_bytes: int = 0, elem_bytes: int = 2) -> int:
-    """Deepest ring of ``tiles_per_slot`` [64, head_dim] tiles per slot that fits the shared memory."""
-    slot_bytes = tiles_per_slot * BLOCK_ATTENTION_BLOCK * head_dim * elem_bytes
+class ForwardConfig(NamedTuple):
+    """The forward kernel's compile-time configuration (`forward_config`)."""
+
+    HEAD_DIM: int
+    GROUP: int  # query heads per key head
+    RING_DEPTH: int  # ring slots, each one unit's Q, K and V
+    CONSUMERS: int  # consumer warpgroups
+
+
+class BackwardConfig(NamedTuple):
+    """The backward kernel's compile-time configuration (`backward_config`)."""
+
+    HEAD_DIM: int
+    GROUP: int  # query heads per key head
+    RING_DEPTH: int  # ring slots, each one query head's Q, K, V and dO
+    CONSUMERS: int  # consumer warpgroups
+    ROTARY: bool  # the conjugate rotary epilogue into one dz tensor
+
+
+def _ring_depth(head_dim: int, tiles_per_slot: int, staging_bytes: int = 0, elem_bytes: int = 2) -> int:
+    """Deepest ring of `tiles_per_slot` [64, head_dim] tiles per slot that fits the shared memory."""
+    slot_bytes = tiles_per_slot * specs.BLOCK_ATTENTION_BLOCK * head_dim * elem_bytes
     return max(1, min(MAX_RING_DEPTH, (SMEM_BUDGET_BYTES - staging_bytes) // slot_bytes))
 
 
-def fwd_ring_depth(head_dim: int) -> int:
-    return ring_depth(head_dim, FWD_TILES_PER_SLOT)
+def forward_config(head_dim: int, group: int = 1) -> ForwardConfig:
+    """The forward's configuration for one head dim and GQA group."""
+    return ForwardConfig(HEAD_DIM=head_dim, GROUP=group, RING_DEPTH=_ring_depth(head_dim, FWD_TILES_PER_SLOT),
+                         CONSUMERS=CONSUMERS)
 
 
-def bwd_ring_depth(head_dim: int) -> int:
-    return ring_depth(head_dim, BWD_TILES_PER_SLOT, NUM_CONSUMERS * BWD_STAGING_TILES * BLOCK_ATTENTION_BLOCK**2 * 2)
+def backward_config(head_dim: int, group: int = 1, rotary: bool = False) -> BackwardConfig:
+    """The backward's configuration for one head dim and GQA group, with or without the rotary epilogue."""
+    staging_bytes = CONSUMERS * BWD_STAGING_TILES * specs.BLOCK_ATTENTION_BLOCK ** 2 * 2
+    return BackwardConfig(HEAD_DIM=head_dim, GROUP=group,
+                          RING_DEPTH=_ring_depth(head_dim, BWD_TILES_PER_SLOT, staging_bytes),
+                          CONSUMERS=CONSUMERS, ROTARY=bool(rotary))
+
+
+class BlockRows(NamedTuple):
+    """Where a unit's block is: its first row in the packed tensors and how many of its 64 rows are real."""
+
+    row0: object
+    real_rows: object
+
+
+class Angles(NamedTuple):
+    """The rotary angles `sinu_pos [M, D]` as fp32: sin in the first D/2 columns, cos in the last D/2."""
+
+    ptr: object
+    row_stride: object
 
 
 # ---- device helpers -------------------------------------------------------------------------
@@ -96,7 +135,7 @@ def _block_softmax(scores, key_ok, qk_scale_log2):
 def _load_fp32_in_consumer_layout(ptrs):
     """fp32 loads that take the register layout of the values they are combined with.
 
-    A ``tl.load`` gets a coalesced layout that the compiler then keeps, so an [rows, pairs] tile of
+    A `tl.load` gets a coalesced layout that the compiler then keeps, so an [rows, pairs] tile of
     rotary angles would force the gradient it multiplies through shared memory into that layout.
     An elementwise inline-asm load is laid out like any elementwise op: the angles arrive directly in
     the wgmma accumulator's column-pair layout. Not pure, so the compiler neither hoists it out of
@@ -108,30 +147,14 @@ def _load_fp32_in_consumer_layout(ptrs):
 
 
 @triton.jit
-def _angles(sinu_ptr, sinu_row_stride, sinu_rows, first_pair, PAIRS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _angles(angles, sinu_rows, first_pair, PAIRS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """(sin, cos) [64, PAIRS] of pairs first_pair.. for the given rows, in the accumulator's layout.
 
-    ``sinu_pos`` holds sin(t_i) in its first D/2 columns and cos(t_i) in its last D/2. The loads are
-    unmasked, so every index in ``sinu_rows`` must be a row of sinu_pos.
+    The loads are unmasked, so every index in `sinu_rows` must be a row of sinu_pos.
     """
-    sin_ptrs = (sinu_ptr + sinu_rows[:, None].to(tl.int64) * sinu_row_stride
+    sin_ptrs = (angles.ptr + sinu_rows[:, None].to(tl.int64) * angles.row_stride
                 + first_pair + tl.arange(0, PAIRS)[None, :])
     return _load_fp32_in_consumer_layout(sin_ptrs), _load_fp32_in_consumer_layout(sin_ptrs + HEAD_DIM // 2)
-
-
-@triton.jit
-def _rotary_conj(grad, sin, cos):
-    """Conjugate rotary rotation of fp32 gradient columns [64, 2*PAIRS] by the angles' (sin, cos).
-
-    The forward rotates each column pair (2i, 2i+1) by angle t_i: x' = x*cos + rotate_every_two(x)*sin.
-    Its transpose rotates by -t_i: dx_even = g_even*cos + g_odd*sin, dx_odd = g_odd*cos - g_even*sin.
-    The pair split and join stay in registers: a wgmma accumulator holds both columns of a pair in
-    one thread.
-    """
-    g_even, g_odd = tl.split(tl.reshape(grad, [grad.shape[0], grad.shape[1] // 2, 2]))
-    d_even = g_even * cos + g_odd * sin
-    d_odd = g_odd * cos - g_even * sin
-    return tl.reshape(tl.join(d_even, d_odd), [grad.shape[0], grad.shape[1]])
 
 
 @triton.jit
@@ -141,10 +164,10 @@ def _halves(grad, HALF: tl.constexpr):
 
 
 @triton.jit
-def _store_grads(a_ptr, b_ptr, row_stride, col0, row0, real_rows, grad_a, grad_b, sinu_ptr, sinu_row_stride,
-                 HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, PAIRED: tl.constexpr):
-    """Store fp32 [64, D] gradients (grad_a, and grad_b when PAIRED) in the outputs' dtype, conjugate-rotated
-    first if ROTARY; both go to the same rows and columns of their own tensors (dK and dV).
+def _store_grads(a_ptr, b_ptr, row_stride, col0, block, grad_a, grad_b, angles, CFG: tl.constexpr):
+    """Store fp32 [64, D] gradients (grad_a, and grad_b unless it is None) in the outputs' dtype,
+    conjugate-rotated first with CFG.ROTARY; both go to the same rows and columns of their own tensors
+    (dK and dV).
 
     One half of the columns at a time (a register-only split of the accumulator): while dK, dV and
     dQ are all live, the angles of a whole tile (64 fp32 registers a thread at D=128) would spill;
@@ -153,34 +176,41 @@ def _store_grads(a_ptr, b_ptr, row_stride, col0, row0, real_rows, grad_a, grad_b
     formed here, not by the caller, so that none stay live through the group loop. Rows past the
     sequence end take the angles of the block's last real row (a row of sinu_pos) and are not stored.
     """
+    HALF: tl.constexpr = CFG.HEAD_DIM // 2
     offs_m = tl.arange(0, BLOCK)
-    rows = row0 + offs_m
-    row_ok = offs_m < real_rows
-    HALF: tl.constexpr = HEAD_DIM // 2
-    sinu_rows = row0 + tl.minimum(offs_m, real_rows - 1)
+    rows = block.row0 + offs_m
+    row_ok = offs_m < block.real_rows
+    sinu_rows = block.row0 + tl.minimum(offs_m, block.real_rows - 1)
     a_left, a_right = _halves(grad_a, HALF)
-    if ROTARY:
-        sin, cos = _angles(sinu_ptr, sinu_row_stride, sinu_rows, 0, HALF // 2, HEAD_DIM)
-        a_left = _rotary_conj(a_left, sin, cos)
+    if CFG.ROTARY:
+        sin, cos = _angles(angles, sinu_rows, 0, HALF // 2, CFG.HEAD_DIM)
+        a_left = rotate_pairs(a_left, sin, cos, True)
     _store_rows(a_ptr, row_stride, col0, rows, row_ok, a_left.to(a_ptr.dtype.element_ty), HALF)
-    if PAIRED:
+    if grad_b is not None:
         b_left, b_right = _halves(grad_b, HALF)
-        if ROTARY:
-            b_left = _rotary_conj(b_left, sin, cos)
+        if CFG.ROTARY:
+            b_left = rotate_pairs(b_left, sin, cos, True)
         _store_rows(b_ptr, row_stride, col0, rows, row_ok, b_left.to(b_ptr.dtype.element_ty), HALF)
-    if ROTARY:
-        sin, cos = _angles(sinu_ptr, sinu_row_stride, sinu_rows, HALF // 2, HALF // 2, HEAD_DIM)
-        a_right = _rotary_conj(a_right, sin, cos)
+    if CFG.ROTARY:
+        sin, cos = _angles(angles, sinu_rows, HALF // 2, HALF // 2, CFG.HEAD_DIM)
+        a_right = rotate_pairs(a_right, sin, cos, True)
     _store_rows(a_ptr, row_stride, col0 + HALF, rows, row_ok, a_right.to(a_ptr.dtype.element_ty), HALF)
-    if PAIRED:
-        if ROTARY:
-            b_right = _rotary_conj(b_right, sin, cos)
+    if grad_b is not None:
+        if CFG.ROTARY:
+            b_right = rotate_pairs(b_right, sin, cos, True)
         _store_rows(b_ptr, row_stride, col0 + HALF, rows, row_ok, b_right.to(b_ptr.dtype.element_ty), HALF)
 
 
 @triton.jit
 def _store_rows(base_ptr, row_stride, col0, rows, row_ok, tile, COLS: tl.constexpr):
-    """Masked store of a [64, COLS] tile: rows past the sequence end belong to another block."""
+    """Masked store of a [64, COLS] tile from column col0: rows past the sequence end belong to another block.
+
+    Both kernels store through this rather than `epilogue.store_rows`, which stores whole heads
+    (columns head * D onward) of `[rows, heads, D]` tensors: the gradients leave in column halves
+    (`_store_grads`), with the rotary epilogue into column slices of dz. For the forward's whole heads,
+    store_rows adds the head's column offset to every row's 64-bit address; here it joins the int32
+    column indices, which takes fewer integer instructions per store.
+    """
     cols = col0 + tl.arange(0, COLS)
     ptrs = base_ptr + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
     tl.store(ptrs, tile, mask=row_ok[:, None])
@@ -189,147 +219,131 @@ def _store_rows(base_ptr, row_stride, col0, rows, row_ok, tile, COLS: tl.constex
 # ---- forward ----------------------------------------------------------------------------------
 
 @triton.jit
-def _block_attn_fwd_kernel(
-    desc_q, desc_k, desc_v,  # TMA descriptors over [T, H*D], box [64, D]
-    out_ptr, out_row_stride,
-    block_start_ptr, block_rows_ptr, num_blocks_ptr,
-    sm_scale, heads_q,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_BUFFERS: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
-):
+def _block_attn_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, out_row_stride, block_start_ptr, block_rows_ptr,
+                           num_blocks_ptr, sm_scale, heads_q, CFG: tl.constexpr):
+    HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
+    CONSUMERS: tl.constexpr = CFG.CONSUMERS
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
     num_units = tl.load(num_blocks_ptr) * heads_q
-    prog = tl.program_id(0)
-    num_progs = tl.num_programs(0)
 
-    q_ring = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_BUFFERS)
-    k_ring = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_BUFFERS)
-    v_ring = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_BUFFERS)
-    slot_full = tlx.alloc_barriers(num_barriers=NUM_BUFFERS, arrive_count=1)
-    slot_empty = tlx.alloc_barriers(num_barriers=NUM_BUFFERS, arrive_count=1)
+    # One ring slot per unit: its Q, K and V buffers share the slot's barriers.
+    q_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
+    k_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
+    v_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
+    ring = make_ring(q_buffers, CFG.RING_DEPTH)
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: TMA loads, one slot per unit
             loaded = 0
-            for unit in range(prog, num_units, num_progs):
+            unit_start, unit_end, unit_step = tile_loop(num_units, False)
+            for unit in range(unit_start, unit_end, unit_step):
                 block = unit // heads_q
                 head = unit % heads_q
                 row0 = tl.load(block_start_ptr + block)
-                slot, phase = ring_slot(loaded, NUM_BUFFERS)
-                tlx.barrier_wait(slot_empty[slot], phase ^ 1)
-                tlx.barrier_expect_bytes(slot_full[slot], 3 * TILE_BYTES)
-                tlx.async_descriptor_load(desc_q, q_ring[slot], [row0, head * HEAD_DIM], slot_full[slot])
-                kv_col = (head // GROUP) * HEAD_DIM
-                tlx.async_descriptor_load(desc_k, k_ring[slot], [row0, kv_col], slot_full[slot])
-                tlx.async_descriptor_load(desc_v, v_ring[slot], [row0, kv_col], slot_full[slot])
+                index = ring_acquire(ring, loaded, 3 * TILE_BYTES)
+                tlx.async_descriptor_load(desc_q, q_buffers[index], [row0, head * HEAD_DIM], ring.fulls[index])
+                kv_col = (head // CFG.GROUP) * HEAD_DIM
+                tlx.async_descriptor_load(desc_k, k_buffers[index], [row0, kv_col], ring.fulls[index])
+                tlx.async_descriptor_load(desc_v, v_buffers[index], [row0, kv_col], ring.fulls[index])
                 loaded += 1
 
-        with tlx.async_task(num_warps=WARPS_PER_GROUP, registers=CONSUMER_REGISTERS, replicate=NUM_CONSUMERS):
+        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS, replicate=CONSUMERS):
             consumer = tlx.async_task_replica_id()
             qk_scale_log2 = sm_scale * LOG2E
             offs_m = tl.arange(0, BLOCK)
-            offs_d = tl.arange(0, HEAD_DIM)
-            # this consumer's k-th unit is the program's (consumer + k*NUM_CONSUMERS)-th
+            # this consumer's k-th unit is the program's (consumer + k*CONSUMERS)-th
             seen = consumer
-            for unit in range(prog + consumer * num_progs, num_units, num_progs * NUM_CONSUMERS):
+            unit_start, unit_end, unit_step = tile_loop(num_units, False)
+            for unit in range(unit_start + consumer * unit_step, unit_end, unit_step * CONSUMERS):
                 block = unit // heads_q
                 head = unit % heads_q
                 row0 = tl.load(block_start_ptr + block)
                 real_rows = tl.load(block_rows_ptr + block)
-                slot, phase = ring_slot(seen, NUM_BUFFERS)
-                tlx.barrier_wait(slot_full[slot], phase)
+                index = ring_wait(ring, seen)
 
-                scores = tlx.async_dot(q_ring[slot], tlx.local_trans(k_ring[slot]))
+                scores = tlx.async_dot(q_buffers[index], tlx.local_trans(k_buffers[index]))
                 scores = tlx.async_dot_wait(0, scores)
                 p, row_sum = _block_softmax(scores, offs_m < real_rows, qk_scale_log2)
-                acc = tlx.async_dot(p.to(dtype), v_ring[slot])
+                acc = tlx.async_dot(p.to(dtype), v_buffers[index])
                 acc = tlx.async_dot_wait(0, acc)
-                tlx.barrier_arrive(slot_empty[slot], 1)
+                ring_release(ring, index)
 
                 out = acc / row_sum[:, None]
-                rows = row0 + offs_m
-                _store_rows(out_ptr, out_row_stride, head * HEAD_DIM, rows, offs_m < real_rows,
+                _store_rows(out_ptr, out_row_stride, head * HEAD_DIM, row0 + offs_m, offs_m < real_rows,
                             out.to(dtype), HEAD_DIM)
-                seen += NUM_CONSUMERS
+                seen += CONSUMERS
 
 
 # ---- backward ---------------------------------------------------------------------------------
 
 @triton.jit
-def _block_attn_bwd_kernel(
-    desc_q, desc_k, desc_v, desc_do,  # TMA descriptors over [T, H*D], box [64, D]
-    dq_ptr, dk_ptr, dv_ptr, dq_row_stride, dkv_row_stride,
-    sinu_ptr, sinu_row_stride,
-    block_start_ptr, block_rows_ptr, num_blocks_ptr,
-    sm_scale, heads_kv,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_BUFFERS: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
-    ROTARY_EPILOGUE: tl.constexpr,
-):
+def _block_attn_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr, dv_ptr, dq_row_stride, dkv_row_stride,
+                           sinu_ptr, sinu_row_stride, block_start_ptr, block_rows_ptr, num_blocks_ptr, sm_scale,
+                           heads_kv, CFG: tl.constexpr):
+    HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
+    GROUP: tl.constexpr = CFG.GROUP
+    CONSUMERS: tl.constexpr = CFG.CONSUMERS
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
     num_units = tl.load(num_blocks_ptr) * heads_kv
-    prog = tl.program_id(0)
-    num_progs = tl.num_programs(0)
+    angles = Angles(sinu_ptr, sinu_row_stride)
 
-    q_ring = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_BUFFERS)
-    k_ring = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_BUFFERS)
-    v_ring = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_BUFFERS)
-    do_ring = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_BUFFERS)
+    # One ring slot per (unit, query head of the group): its Q, K, V and dO share the slot's barriers.
+    q_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
+    k_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
+    v_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
+    do_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
     # P and dS go through shared memory because dV = P^T dO and dK = dS^T Q need them transposed,
     # which wgmma reads directly from shared memory
-    p_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS)
-    ds_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS)
-    slot_full = tlx.alloc_barriers(num_barriers=NUM_BUFFERS, arrive_count=1)
-    slot_empty = tlx.alloc_barriers(num_barriers=NUM_BUFFERS, arrive_count=1)
+    p_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, CONSUMERS)
+    ds_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, CONSUMERS)
+    ring = make_ring(q_buffers, CFG.RING_DEPTH)
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: one slot per (unit, query head of the group)
             loaded = 0
-            for unit in range(prog, num_units, num_progs):
+            unit_start, unit_end, unit_step = tile_loop(num_units, False)
+            for unit in range(unit_start, unit_end, unit_step):
                 block = unit // heads_kv
                 kv_head = unit % heads_kv
                 row0 = tl.load(block_start_ptr + block)
                 for g in range(GROUP):
                     q_col = (kv_head * GROUP + g) * HEAD_DIM
-                    slot, phase = ring_slot(loaded, NUM_BUFFERS)
-                    tlx.barrier_wait(slot_empty[slot], phase ^ 1)
-                    tlx.barrier_expect_bytes(slot_full[slot], 4 * TILE_BYTES)
-                    tlx.async_descriptor_load(desc_q, q_ring[slot], [row0, q_col], slot_full[slot])
-                    tlx.async_descriptor_load(desc_k, k_ring[slot], [row0, kv_head * HEAD_DIM], slot_full[slot])
-                    tlx.async_descriptor_load(desc_v, v_ring[slot], [row0, kv_head * HEAD_DIM], slot_full[slot])
-                    tlx.async_descriptor_load(desc_do, do_ring[slot], [row0, q_col], slot_full[slot])
+                    index = ring_acquire(ring, loaded, 4 * TILE_BYTES)
+                    tlx.async_descriptor_load(desc_q, q_buffers[index], [row0, q_col], ring.fulls[index])
+                    tlx.async_descriptor_load(desc_k, k_buffers[index], [row0, kv_head * HEAD_DIM], ring.fulls[index])
+                    tlx.async_descriptor_load(desc_v, v_buffers[index], [row0, kv_head * HEAD_DIM], ring.fulls[index])
+                    tlx.async_descriptor_load(desc_do, do_buffers[index], [row0, q_col], ring.fulls[index])
                     loaded += 1
 
-        with tlx.async_task(num_warps=WARPS_PER_GROUP, registers=CONSUMER_REGISTERS, replicate=NUM_CONSUMERS):
+        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS, replicate=CONSUMERS):
             consumer = tlx.async_task_replica_id()
             qk_scale_log2 = sm_scale * LOG2E
             offs_m = tl.arange(0, BLOCK)
             p_tile = p_stage[consumer]
             ds_tile = ds_stage[consumer]
             seen = consumer * GROUP
-            for unit in range(prog + consumer * num_progs, num_units, num_progs * NUM_CONSUMERS):
+            unit_start, unit_end, unit_step = tile_loop(num_units, False)
+            for unit in range(unit_start + consumer * unit_step, unit_end, unit_step * CONSUMERS):
                 block = unit // heads_kv
                 kv_head = unit % heads_kv
-                row0 = tl.load(block_start_ptr + block)
-                real_rows = tl.load(block_rows_ptr + block)
-                row_ok = offs_m < real_rows
+                rows = BlockRows(tl.load(block_start_ptr + block), tl.load(block_rows_ptr + block))
+                row_ok = offs_m < rows.real_rows
                 dk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
                 dv = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
                 for g in range(GROUP):
-                    slot, phase = ring_slot(seen + g, NUM_BUFFERS)
-                    tlx.barrier_wait(slot_full[slot], phase)
+                    index = ring_wait(ring, seen + g)
 
-                    scores = tlx.async_dot(q_ring[slot], tlx.local_trans(k_ring[slot]))
+                    scores = tlx.async_dot(q_buffers[index], tlx.local_trans(k_buffers[index]))
                     scores = tlx.async_dot_wait(0, scores)
                     p, row_sum = _block_softmax(scores, row_ok, qk_scale_log2)
                     # query rows past the sequence end are another block's: they must add nothing
                     p = tl.where(row_ok[:, None], p / row_sum[:, None], 0.0)
                     tlx.local_store(p_tile, p.to(dtype))
                     tlx.fence_async_shared()
-                    dv = tlx.async_dot(tlx.local_trans(p_tile), do_ring[slot], dv)
-                    dp = tlx.async_dot(do_ring[slot], tlx.local_trans(v_ring[slot]))
+                    dv = tlx.async_dot(tlx.local_trans(p_tile), do_buffers[index], dv)
+                    dp = tlx.async_dot(do_buffers[index], tlx.local_trans(v_buffers[index]))
                     dp = tlx.async_dot_wait(0, dp)
                     dv = tlx.async_dot_wait(0, dv)
                     # rowsum(P * dP) == rowsum(dO * O) exactly, from values already in registers
@@ -337,160 +351,95 @@ def _block_attn_bwd_kernel(
                     ds = p * (dp - delta[:, None])
                     tlx.local_store(ds_tile, ds.to(dtype))
                     tlx.fence_async_shared()
-                    dk = tlx.async_dot(tlx.local_trans(ds_tile), q_ring[slot], dk)
-                    dq = tlx.async_dot(ds_tile, k_ring[slot])
+                    dk = tlx.async_dot(tlx.local_trans(ds_tile), q_buffers[index], dk)
+                    dq = tlx.async_dot(ds_tile, k_buffers[index])
                     dq = tlx.async_dot_wait(0, dq)
                     dk = tlx.async_dot_wait(0, dk)
-                    tlx.barrier_arrive(slot_empty[slot], 1)
+                    ring_release(ring, index)
 
-                    _store_grads(dq_ptr, dq_ptr, dq_row_stride, (kv_head * GROUP + g) * HEAD_DIM, row0,
-                                 real_rows, dq * sm_scale, dq, sinu_ptr, sinu_row_stride, HEAD_DIM,
-                                 ROTARY_EPILOGUE, False)
+                    _store_grads(dq_ptr, None, dq_row_stride, (kv_head * GROUP + g) * HEAD_DIM, rows, dq * sm_scale,
+                                 None, angles, CFG)
 
-                _store_grads(dk_ptr, dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, row0, real_rows, dk * sm_scale,
-                             dv, sinu_ptr, sinu_row_stride, HEAD_DIM, ROTARY_EPILOGUE, True)
-                seen += NUM_CONSUMERS * GROUP
+                _store_grads(dk_ptr, dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, rows, dk * sm_scale, dv, angles,
+                             CFG)
+                seen += CONSUMERS * GROUP
 
 
-# ---- host wrappers ----------------------------------------------------------------------------
+# ---- host side --------------------------------------------------------------------------------
 
-_TRITON_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# The hot path binds each kernel's arguments once per specialization (`jfa.kernels.launch`).
-_block_attn_fwd_launch = CachedLaunch(_block_attn_fwd_kernel)
-_block_attn_bwd_launch = CachedLaunch(_block_attn_bwd_kernel)
+_fwd_launch = CachedLaunch(_block_attn_fwd_kernel)  # binds its arguments once per specialization
+_bwd_launch = CachedLaunch(_block_attn_bwd_kernel)
 
 
 def is_supported(q: torch.Tensor) -> bool:
     """True where these kernels run: a CUDA tensor on a Hopper (sm_90) GPU, bf16/fp16, D 64 or 128."""
-    if not (q.is_cuda and q.dtype in _TRITON_DTYPE_NAMES and q.dim() == 3 and q.shape[-1] in (64, 128)):
+    if not (q.is_cuda and q.dtype in specs.SUPPORTED_DTYPES and q.dim() == 3
+            and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS):
         return False
     return sm_major(q.device) == 9
 
 
-def _row_descriptor(t: torch.Tensor):
-    """TMA descriptor over a packed [T, H, D] tensor seen as [T, H*D], one box = one block's rows of one head."""
-    return rows_descriptor(t, BLOCK_ATTENTION_BLOCK)
+def launch_forward(q, k, v, out, blocks, config: ForwardConfig, *, programs: int):
+    """Run the forward kernel into `out` (contiguous q, k, v of at least one row; out q's shape and dtype).
 
-
-def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Block attention forward on the GPU: out [T, Hq, D] in q's dtype (inputs already validated).
-
-    ``out`` (contiguous, q's shape and dtype) lets tests pass a poisoned buffer.
+    `blocks` is the block table (`jfa.schedule.build_block_table`: block_start, block_rows,
+    num_blocks) and `programs` the persistent grid.
     """
-    rows, heads_q, head_dim = q.shape
-    out = torch.empty_like(q) if out is None else out
-    if rows == 0 or heads_q == 0:
-        return out
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    block_start, block_rows, num_blocks = build_block_table(offsets.to(q.device), rows)
-    grid = (persistent_programs(q.device, block_start.numel() * heads_q),)
-    _block_attn_fwd_launch[grid](
-        _row_descriptor(q), _row_descriptor(k), _row_descriptor(v),
-        out, heads_q * head_dim,
-        block_start, block_rows, num_blocks,
-        1.0 / math.sqrt(head_dim), heads_q,
-        GROUP=heads_q // k.shape[1], HEAD_DIM=head_dim,
-        NUM_BUFFERS=fwd_ring_depth(head_dim), NUM_CONSUMERS=NUM_CONSUMERS,
-        num_warps=WARPS_PER_GROUP.value, num_stages=NUM_STAGES,
-    )
-    return out
+    block_start, block_rows, num_blocks = blocks
+    rows_box = specs.BLOCK_ATTENTION_BLOCK
+    _fwd_launch[(programs,)](
+        rows_descriptor(q, rows_box), rows_descriptor(k, rows_box), rows_descriptor(v, rows_box),
+        out, out.stride(0), block_start, block_rows, num_blocks, 1.0 / math.sqrt(config.HEAD_DIM), q.shape[1],
+        num_warps=specs.WARPGROUP_WARPS, num_stages=NUM_STAGES, CFG=config)
 
 
-def _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, dq_row_stride, dkv_row_stride, sinu_pos):
-    """Run the backward kernel; dq/dk/dv may be views into one dz tensor (the rotary epilogue)."""
-    rows, heads_q, head_dim = q.shape
-    heads_kv = k.shape[1]
-    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    block_start, block_rows, num_blocks = build_block_table(offsets.to(q.device), rows)
-    rotary = sinu_pos is not None
-    # the kernel reads the angles as fp32 words; without ROTARY_EPILOGUE it never reads them
-    sinu = sinu_pos.to(torch.float32).contiguous() if rotary else dq
-    grid = (persistent_programs(q.device, block_start.numel() * heads_kv),)
-    _block_attn_bwd_launch[grid](
-        _row_descriptor(q), _row_descriptor(k), _row_descriptor(v), _row_descriptor(dout),
-        dq, dk, dv, dq_row_stride, dkv_row_stride,
-        sinu, sinu.stride(0),
-        block_start, block_rows, num_blocks,
-        1.0 / math.sqrt(head_dim), heads_kv,
-        GROUP=heads_q // heads_kv, HEAD_DIM=head_dim,
-        NUM_BUFFERS=bwd_ring_depth(head_dim), NUM_CONSUMERS=NUM_CONSUMERS,
-        ROTARY_EPILOGUE=rotary, num_warps=WARPS_PER_GROUP.value, num_stages=NUM_STAGES,
-    )
+def launch_backward(q, k, v, dout, dq, dk, dv, blocks, config: BackwardConfig, *, programs: int, sinu_pos=None):
+    """Run the backward kernel into dq, dk, dv (contiguous inputs of at least one row).
 
-
-def block_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                        dout: torch.Tensor, grads: tuple | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block attention backward on the GPU: (dq, dk, dv) in the inputs' dtype; P is recomputed.
-
-    ``grads`` optionally gives the (dq, dk, dv) buffers to fill (contiguous; tests poison them).
+    The gradients' rows are `stride(0)` elements apart, dk's and dv's alike: [T, H, D] tensors, or
+    with the rotary epilogue (`config.ROTARY`, the angles `sinu_pos [M, D]`) column slices of one
+    `dz` tensor. `blocks` and `programs` as for `launch_forward`.
     """
-    rows, heads_q, head_dim = q.shape
-    heads_kv = k.shape[1]
-    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
-    if rows == 0 or heads_q == 0:
-        return dq, dk, dv
-    _launch_bwd(q, k, v, offsets, dout, dq, dk, dv, heads_q * head_dim, heads_kv * head_dim, None)
-    return dq, dk, dv
-
-
-def block_attention_rotary_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                               dout: torch.Tensor, sinu_pos: torch.Tensor,
-                               dz: torch.Tensor | None = None) -> torch.Tensor:
-    """Backward of rotary + block attention: dz [M, (Hq + 2*Hkv) * D], the gradient of the projection.
-
-    q, k, v are the *rotated* tensors the forward attended with. The kernel's epilogue applies the
-    conjugate rotation to dQ, dK, dV in fp32 and stores them side by side: columns [0, Hq*D) hold
-    dQ, then Hkv*D columns of dK, then Hkv*D of dV, the layout of ``x @ w`` that produced q, k, v.
-    """
-    rows, heads_q, head_dim = q.shape
-    heads_kv = k.shape[1]
-    width = (heads_q + 2 * heads_kv) * head_dim
-    dz = torch.empty(rows, width, dtype=q.dtype, device=q.device) if dz is None else dz
-    if rows == 0 or heads_q == 0:
-        return dz
-    dk_view = dz[:, heads_q * head_dim:]
-    dv_view = dz[:, (heads_q + heads_kv) * head_dim:]
-    _launch_bwd(q, k, v, offsets, dout, dz, dk_view, dv_view, width, width, sinu_pos)
-    return dz
+    block_start, block_rows, num_blocks = blocks
+    rows_box = specs.BLOCK_ATTENTION_BLOCK
+    # the kernel reads the angles as fp32 words; without the rotary epilogue it never reads them
+    sinu = sinu_pos.to(torch.float32).contiguous() if config.ROTARY else dq
+    _bwd_launch[(programs,)](
+        rows_descriptor(q, rows_box), rows_descriptor(k, rows_box), rows_descriptor(v, rows_box),
+        rows_descriptor(dout, rows_box), dq, dk, dv, dq.stride(0), dk.stride(0), sinu, sinu.stride(0),
+        block_start, block_rows, num_blocks, 1.0 / math.sqrt(config.HEAD_DIM), k.shape[1],
+        num_warps=specs.WARPGROUP_WARPS, num_stages=NUM_STAGES, CFG=config)
 
 
 # ---- compile-only inspection ------------------------------------------------------------------
 
-def inspect_spec(direction: str = "fwd", head_dim: int = 128, group: int = 1, dtype: torch.dtype = torch.bfloat16,
-                 rotary: bool = False):
-    """`jfa.inspect.KernelSpec` of one configuration, compilable without a GPU.
+def inspect_spec(config: ForwardConfig | BackwardConfig = forward_config(128),
+                 dtype: torch.dtype = torch.bfloat16) -> KernelSpec:
+    """Compile-only description of one configuration (no GPU needed): `jfa.workbench.inspect`.
 
-    ``direction`` is "fwd" or "bwd"; ``rotary`` selects the backward's fused rotary epilogue.
+    A ForwardConfig describes the forward kernel, a BackwardConfig the backward.
     """
-    from jfa.kernels.spec import KernelSpec
-
-    if direction not in ("fwd", "bwd"):
-        raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
-    if rotary and direction != "bwd":
-        raise ValueError("rotary=True is an option of the backward kernel; pass direction='bwd'")
-    elem = _TRITON_DTYPE_NAMES[dtype]
-    desc = f"tensordesc<{elem}[{BLOCK_ATTENTION_BLOCK},{head_dim}]>"
+    if not isinstance(config, (ForwardConfig, BackwardConfig)):
+        raise TypeError(f"config must be a ForwardConfig or a BackwardConfig, got {type(config).__name__}")
+    elem = TRITON_DTYPE_NAMES[dtype]
+    desc = f"tensordesc<{elem}[{specs.BLOCK_ATTENTION_BLOCK},{config.HEAD_DIM}]>"
     table = {"block_start_ptr": "*i32", "block_rows_ptr": "*i32", "num_blocks_ptr": "*i32", "sm_scale": "fp32"}
-    if direction == "fwd":
+    if isinstance(config, ForwardConfig):
         signature = {"desc_q": desc, "desc_k": desc, "desc_v": desc, "out_ptr": f"*{elem}",
                      "out_row_stride": "i32", "heads_q": "i32", **table}
-        constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_BUFFERS": fwd_ring_depth(head_dim),
-                      "NUM_CONSUMERS": NUM_CONSUMERS}
-        fn, name = _block_attn_fwd_kernel, f"block_attn_fwd_d{head_dim}_g{group}"
+        fn, name = _block_attn_fwd_kernel, f"block_attn_fwd_d{config.HEAD_DIM}_g{config.GROUP}"
+        aligned = ("out_row_stride",)
     else:
         signature = {"desc_q": desc, "desc_k": desc, "desc_v": desc, "desc_do": desc,
                      "dq_ptr": f"*{elem}", "dk_ptr": f"*{elem}", "dv_ptr": f"*{elem}",
                      "dq_row_stride": "i32", "dkv_row_stride": "i32",
-                     "sinu_ptr": "*fp32" if rotary else f"*{elem}", "sinu_row_stride": "i32",
+                     "sinu_ptr": "*fp32" if config.ROTARY else f"*{elem}", "sinu_row_stride": "i32",
                      "heads_kv": "i32", **table}
-        constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "NUM_BUFFERS": bwd_ring_depth(head_dim),
-                      "NUM_CONSUMERS": NUM_CONSUMERS, "ROTARY_EPILOGUE": rotary}
         fn = _block_attn_bwd_kernel
-        name = f"block_attn_bwd{'_rotary' if rotary else ''}_d{head_dim}_g{group}"
-    roles = ("producer",) + tuple(f"consumer_wg{i}" for i in range(NUM_CONSUMERS))
-    # sinu_row_stride is D, or dq's row stride without rotary: a multiple of 16 in every launch
-    aligned = ("out_row_stride",) if direction == "fwd" else ("dq_row_stride", "dkv_row_stride", "sinu_row_stride")
-    return KernelSpec(fn=fn, signature=signature, constexprs=constexprs, num_warps=WARPS_PER_GROUP.value,
+        name = f"block_attn_bwd{'_rotary' if config.ROTARY else ''}_d{config.HEAD_DIM}_g{config.GROUP}"
+        # sinu_row_stride is D, or dq's row stride without rotary: a multiple of 16 in every launch
+        aligned = ("dq_row_stride", "dkv_row_stride", "sinu_row_stride")
+    signature["CFG"] = "constexpr"
+    roles = ("producer",) + tuple(f"consumer_wg{i}" for i in range(config.CONSUMERS))
+    return KernelSpec(fn=fn, signature=signature, constexprs={"CFG": config}, num_warps=specs.WARPGROUP_WARPS,
                       num_stages=NUM_STAGES, name=name, role_names=roles, target="sm_90", aligned=aligned)

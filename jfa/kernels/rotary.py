@@ -14,6 +14,7 @@ Two users:
 - the forward of `jfa.fused_projection_rotary_block_attention` (q, k and v of the projection);
 - the *unfused* rotary backward, attention backward then the conjugate of dQ, dK, dV written side
   by side into `dz`: the baseline the fused epilogue of `jfa.kernels.block_attn` is measured against.
+The rotation of a tile itself, `rotate_pairs`, is written once: the fused epilogue calls it too.
 
 Plain Triton (no TLX), so it runs on any CUDA GPU and in Triton's interpreter.
 """
@@ -28,23 +29,40 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def rotate_pairs(x, sin, cos, CONJUGATE: tl.constexpr):
+    """Rotate every column pair (2p, 2p+1) of fp32 `x [rows, 2*P]` by the angle of pair p (`sin`,
+    `cos` [rows, P]); CONJUGATE rotates by minus the angle (the transpose, hence the backward).
+
+    The pair split and join stay in registers: in a row-major tile and in a wgmma accumulator alike,
+    one thread holds both columns of a pair.
+    """
+    x_even, x_odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    if CONJUGATE:
+        even = x_even * cos + x_odd * sin
+        odd = x_odd * cos - x_even * sin
+    else:
+        even = x_even * cos - x_odd * sin
+        odd = x_odd * cos + x_even * sin
+    return tl.reshape(tl.join(even, odd), [x.shape[0], x.shape[1]])
+
+
+@triton.jit
 def _rotary_kernel(src_ptr, dst_ptr, sinu_ptr, rows, heads, src_row_stride, dst_row_stride, sinu_row_stride,
-                   SIN_SIGN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    """dst[r, h] = rotation of src[r, h] by the angles of row r, for every head h (SIN_SIGN -1: conjugate)."""
+                   CONJUGATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """dst[r, h] = rotation of src[r, h] by the angles of row r, for every head h (or its conjugate)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = (row < rows)[:, None]
     row64 = row.to(tl.int64)[:, None]
     pair = tl.arange(0, HALF)[None, :]
-    sin = SIN_SIGN * tl.load(sinu_ptr + row64 * sinu_row_stride + pair, mask=row_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sinu_ptr + row64 * sinu_row_stride + pair, mask=row_ok, other=0.0).to(tl.float32)
     cos = tl.load(sinu_ptr + row64 * sinu_row_stride + HALF + pair, mask=row_ok, other=0.0).to(tl.float32)
     col = tl.arange(0, HEAD_DIM)[None, :]
     for head in range(heads):
         x = tl.load(src_ptr + row64 * src_row_stride + head * HEAD_DIM + col, mask=row_ok, other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_ROWS, HALF, 2]))
-        rotated = tl.join(x_even * cos - x_odd * sin, x_odd * cos + x_even * sin)
+        rotated = rotate_pairs(x.to(tl.float32), sin, cos, CONJUGATE)
         tl.store(dst_ptr + row64 * dst_row_stride + head * HEAD_DIM + col,
-                 tl.reshape(rotated, [BLOCK_ROWS, HEAD_DIM]).to(dst_ptr.dtype.element_ty), mask=row_ok)
+                 rotated.to(dst_ptr.dtype.element_ty), mask=row_ok)
 
 
 def rotate(src: torch.Tensor, sinu_pos: torch.Tensor, *, conjugate: bool = False,
@@ -69,7 +87,7 @@ def rotate(src: torch.Tensor, sinu_pos: torch.Tensor, *, conjugate: bool = False
     if rows and heads:
         _rotary_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
             src, out, sinu_pos, rows, heads, src.stride(0), out.stride(0), sinu_pos.stride(0),
-            SIN_SIGN=-1.0 if conjugate else 1.0, HEAD_DIM=head_dim, BLOCK_ROWS=BLOCK_ROWS,
+            CONJUGATE=conjugate, HEAD_DIM=head_dim, BLOCK_ROWS=BLOCK_ROWS,
             num_warps=NUM_WARPS)
     return out
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from jfa import reference, specs
+from jfa import block
 from jfa.block import block_attention, fused_projection_rotary_block_attention
-from jfa.kernels import block_attn, rotary
+from jfa.kernels import rotary
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +69,7 @@ def test_forward_matches_reference(case, dtype):
     cfg = CASES[case]
     offsets = make_offsets(cfg["lengths"])
     q, k, v = make_qkv(sum(cfg["lengths"]), cfg["heads_q"], cfg["heads_kv"], cfg["head_dim"], dtype, seed=10)
-    out = block_attn.block_attention_fwd(q, k, v, offsets, out=poisoned_like(q))
+    out = block.block_attention_fwd(q, k, v, offsets, out=poisoned_like(q))
     expected = reference.block_attention_ref(q, k, v, offsets)
     assert not out.isnan().any(), "some output rows were never written"
     torch.testing.assert_close(out.float(), expected, **specs.FWD_TOL)
@@ -80,8 +81,8 @@ def test_backward_matches_reference(case):
     offsets = make_offsets(cfg["lengths"])
     q, k, v = make_qkv(sum(cfg["lengths"]), cfg["heads_q"], cfg["heads_kv"], cfg["head_dim"], torch.bfloat16, seed=11)
     dout = make_qkv(q.shape[0], cfg["heads_q"], 1, cfg["head_dim"], torch.bfloat16, seed=12)[0]
-    grads = block_attn.block_attention_bwd(q, k, v, offsets, dout,
-                                           grads=(poisoned_like(q), poisoned_like(k), poisoned_like(v)))
+    grads = block.block_attention_bwd(q, k, v, offsets, dout,
+                                      grads=(poisoned_like(q), poisoned_like(k), poisoned_like(v)))
     _, expected = reference_grads(q, k, v, offsets, dout)
     for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
         assert not got.isnan().any(), f"{name}: some rows were never written"
@@ -113,7 +114,7 @@ def test_rotary_epilogue_writes_conjugate_rotated_dz(head_dim):
     dout = torch.randn_like(q)
     sinu_pos = reference.make_sinu_pos(offsets, head_dim)
     dz = torch.full((q.shape[0], 8 * head_dim), float("nan"), dtype=q.dtype, device="cuda")
-    block_attn.block_attention_rotary_bwd(q, k, v, offsets, dout, sinu_pos, dz=dz)
+    block.block_attention_rotary_bwd(q, k, v, offsets, dout, sinu_pos, dz=dz)
     _, (dq, dk, dv) = reference_grads(q, k, v, offsets, dout)
     expected = torch.cat([reference.rotary_conj_ref(g, sinu_pos).flatten(1) for g in (dq, dk, dv)], dim=1)
     assert not dz.isnan().any(), "some dz rows were never written"
