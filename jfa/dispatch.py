@@ -5,6 +5,7 @@ and says so:
 
 - `load_kernel_module(name)` imports `jfa.kernels.<name>` on first use, so a kernel module that fails
   to import (no TLX, an error in the module) never breaks `import jfa`; the reference runs instead;
+- `load_runner()` imports `jfa.runner`, which runs the jagged kernels (and imports them), likewise;
 - `why_not_kernel(name, q, *others)` is None where that kernel can run on these tensors, else the
   reason it cannot: device, dtype, head dim, TMA alignment, the import, the module's `is_supported`;
 - `warn_fallback(reason)` warns with a `ReferenceFallbackWarning`, once per reason in a process;
@@ -21,9 +22,13 @@ from torch import Tensor
 
 from jfa import specs
 
-__all__ = ["ReferenceFallbackWarning", "load_kernel_module", "why_not_kernel", "warn_fallback", "kernel_offsets"]
+__all__ = ["ReferenceFallbackWarning", "load_kernel_module", "load_runner", "why_not_kernel", "warn_fallback",
+           "kernel_offsets", "FORWARD_KERNEL", "BACKWARD_KERNEL"]
 
 KERNEL_PACKAGE = "jfa.kernels"
+RUNNER = "jfa.runner"
+FORWARD_KERNEL = "fwd_sm90"  # the jagged forward's module, for `why_not_kernel`
+BACKWARD_KERNEL = "bwd_dkdv"
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -47,6 +52,15 @@ def load_kernel_module(name: str):
         return importlib.import_module(f"{KERNEL_PACKAGE}.{name}"), ""
     except Exception as exc:  # a kernel module that fails to import must not take the API down
         return None, f"{KERNEL_PACKAGE}.{name} did not import ({type(exc).__name__}: {exc})"
+
+
+@functools.cache
+def load_runner():
+    """(jfa.runner, "") or (None, why it did not import); imported once, on first use."""
+    try:
+        return importlib.import_module(RUNNER), ""
+    except Exception as exc:  # see load_kernel_module
+        return None, f"{RUNNER} did not import ({type(exc).__name__}: {exc})"
 
 
 def why_not_kernel(name: str, q: Tensor, *others: Tensor, dtypes=specs.SUPPORTED_DTYPES) -> str | None:

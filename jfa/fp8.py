@@ -1,14 +1,14 @@
 """FP8 jagged attention forward: E4M3 q, k, v with per-tensor scales, bf16 output.
 
-The FP8 fork of the jagged forward kernel (`jfa.kernels.jagged_fwd` compiled for an E4M3 dtype) is
-a diff of the math, not of the kernel: QK^T and P·V run as FP8 wgmma (twice the bf16 rate on
-Hopper), P is quantized to E4M3 in registers right before its P·V, and the scales fold into the
-softmax's exp2 argument (q and k) and the epilogue (v). P needs no scale of its own: the
-conditional rescale keeps its entries in [0, 2^8], inside E4M3's range (448).
+The FP8 fork of the jagged forward kernel (`jfa.kernels.forks.fp8`) is a diff of the math, not of
+the kernel: QK^T and P·V run as FP8 wgmma (twice the bf16 rate on Hopper), P is quantized to E4M3
+in registers right before its P·V, and the scales fold into the softmax's exp2 argument (q and k)
+and the epilogue (v). P needs no scale of its own: the conditional rescale keeps its entries in
+[0, 2^8], inside E4M3's range (448).
 
 Hopper's FP8 wgmma reads its B operand only K-major, so V goes in transposed (`[Hkv*D, keys]`,
-`transposed_value_layout`): copied per call by `jagged_fwd.transposed_values`, or made once by the
-caller with `transpose_values` and passed with `v_transposed=True`. Blackwell's block-scaled MXFP8
+`transposed_value_layout`): copied per call by the fork's gather-transpose kernel, or made once by
+the caller with `transpose_values` and passed with `v_transposed=True`. Blackwell's block-scaled MXFP8
 MMA (one E8M0 scale per 32 elements, `reference.mx_quantize`) has no Hopper counterpart; per-tensor
 scales are what Hopper's wgmma can take without dequantizing.
 
@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from jfa import dispatch, jagged, reference, specs
+from jfa.kernels.forks import fp8 as fp8_fork
+from jfa.kernels.forks.fp8 import transposed_value_layout, transposed_value_width
 
 __all__ = ["jagged_attention_fp8", "jagged_attention_fp8_fwd", "transpose_values", "transposed_value_layout",
            "transposed_value_width"]
@@ -36,39 +38,14 @@ def _check_scale(name: str, value) -> float:
     return float(value)
 
 
-def transposed_value_layout(kv_offsets: Tensor, rows: int, device) -> tuple[Tensor, int]:
-    """(column of every key int64 [rows], width) of FP8's transposed V `[Hkv*D, width]`.
-
-    Hopper's FP8 wgmma reads its B operand only K-major, so P·V needs V with the keys contiguous. A
-    TMA load whose innermost start is not 16-byte aligned faults, so every sequence starts on a
-    16-key column: its packed start rounded up plus one 16-key gap per earlier sequence (the kernel
-    computes the same column, `jagged_fwd.transposed_value_col`). Gap columns hold zeros.
-    """
-    align = specs.TMA_ALIGN_BYTES  # 16 one-byte keys
-    offsets = kv_offsets.to(device=device, dtype=torch.int64)
-    keys = torch.arange(rows, device=device)
-    seq = torch.searchsorted(offsets[1:], keys, right=True)
-    starts = offsets[seq]
-    cols = (starts + align - 1) // align * align + seq * align + (keys - starts)
-    return cols, transposed_value_width(rows, offsets.numel() - 1)
-
-
-def transposed_value_width(rows: int, num_seqs: int) -> int:
-    """Columns of FP8's transposed V for `rows` keys in `num_seqs` sequences (every start rounded up
-    to 16 keys, one 16-key gap per sequence)."""
-    align = specs.TMA_ALIGN_BYTES
-    return -(-max(rows, 1) // align) * align + num_seqs * align
-
-
 def transpose_values(v: Tensor, kv_offsets: Tensor) -> Tensor:
     """V in the layout the FP8 kernel reads, `[Hkv*D, width]` (`transposed_value_layout`), for
     `jagged_attention_fp8(..., v_transposed=True)`: make it once when the same V serves several
     calls, instead of one copy per call. On a Hopper GPU a gather-transpose kernel builds it (about
     1 ms for 2.4 M keys x 512 bytes on the H200), elsewhere PyTorch does."""
     jagged.validate_jagged_attention(v, v, v, kv_offsets, kv_offsets, fp8=True)  # reads the offsets once
-    if dispatch.why_not_kernel("jagged_fwd", v, dtypes=jagged.FP8_DTYPES) is None:
-        module, _ = dispatch.load_kernel_module("jagged_fwd")
-        return module.transposed_values(v, kv_offsets)
+    if dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, v, dtypes=jagged.FP8_DTYPES) is None:
+        return fp8_fork.transposed_values(v, kv_offsets)
     rows, heads, dim = v.shape
     cols, width = transposed_value_layout(kv_offsets, rows, v.device)
     v_t = torch.zeros((heads * dim, width), dtype=torch.uint8, device=v.device)
@@ -120,15 +97,17 @@ def jagged_attention_fp8_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor,
 def _jagged_attention_fp8_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, q_scale,
                                    k_scale, v_scale, causal, window, broadcast_q, v_transposed):
     scales = (q_scale, k_scale, v_scale)
-    why = dispatch.why_not_kernel("jagged_fwd", q, k, v, dtypes=jagged.FP8_DTYPES)
+    why = dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, q, k, v, dtypes=jagged.FP8_DTYPES)
     if why is not None:
         dispatch.warn_fallback(f"FP8: {why}")
         return _reference(q, k, v, q_offsets, kv_offsets, sm_scale, scales, causal, window, broadcast_q,
                           v_transposed)
-    module, _ = dispatch.load_kernel_module("jagged_fwd")
+    runner, _ = dispatch.load_runner()
     q_offsets, kv_offsets = dispatch.kernel_offsets(q, q_offsets, kv_offsets)
-    return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
-                                       causal, window, broadcast_q, descale=scales)
+    v_t = v if v_transposed else fp8_fork.transposed_values(v, kv_offsets)
+    fork = runner.ForkCall(fork=fp8_fork.FP8_FORK, forward_params=(float(v_scale),), base_tiles=True)
+    return runner.forward(q, k, v_t, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal, window,
+                          broadcast_q, fork=fork, qk_descale=q_scale * k_scale, out_dtype=specs.FP8_OUT_DTYPE)
 
 
 @jagged_attention_fp8_fwd.register_fake

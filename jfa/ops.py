@@ -11,8 +11,8 @@ Eager calls on CPU or CUDA tensors skip the op layer: `jagged_attention` hands t
 registered autograd cost ~75 µs of CPU per call (torch 2.11), as much as a short jagged batch takes
 on the GPU. torch.compile, and tensors on other devices (meta, fake), go through the op.
 
-Dispatch: on CUDA the TLX kernels (`jfa.kernels.jagged_fwd` / `jagged_bwd`) run when they import
-and accept the inputs; anywhere else, or when they decline, the PyTorch reference runs and a
+Dispatch: on CUDA the TLX kernels run (`jfa.runner`: `jfa.kernels.fwd_sm90`, `bwd_dkdv`, `bwd_dq`)
+when they import and accept the inputs; anywhere else, or when they decline, the PyTorch reference runs and a
 `ReferenceFallbackWarning` says why, once per reason (`jfa.dispatch`, which every entry point shares,
 imports the kernel modules lazily so a broken or missing kernel never breaks `import jfa`). A
 problem where no query row meets a key (no output row, or no key in the batch) runs neither on
@@ -40,7 +40,7 @@ EAGER_DEVICES = ("cpu", "cuda")  # devices whose eager calls bypass the op layer
 
 def backend_for(q: Tensor) -> str:
     """What `jagged_attention` forward runs for q: "tlx-sm90" or "reference (why)"."""
-    why = dispatch.why_not_kernel("jagged_fwd", q)
+    why = dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, q)
     return KERNEL_BACKEND if why is None else f"reference ({why})"
 
 
@@ -102,16 +102,16 @@ def _jagged_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, max_seq_len_q, ma
     out_rows = _out_rows(q, kv_offsets, broadcast_q)
     if out_rows == 0 or k.shape[0] == 0:
         return _scoreless_fwd(q, out_rows)
-    why = dispatch.why_not_kernel("jagged_fwd", q, k, v)
+    why = dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, q, k, v)
     if why is not None:
         dispatch.warn_fallback(why)
         return _reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
-    module, _ = dispatch.load_kernel_module("jagged_fwd")
+    runner, _ = dispatch.load_runner()
     # Read the bounds before moving the offsets: offsets kept on the CPU need no sync for this.
     max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
     q_offsets, kv_offsets = dispatch.kernel_offsets(q, q_offsets, kv_offsets)
-    return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal,
-                                       _window_or_none(window), broadcast_q)
+    return runner.forward(q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal, _window_or_none(window),
+                          broadcast_q)
 
 
 @jagged_attention_fwd.register_fake
@@ -152,15 +152,15 @@ def _jagged_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offset
                                sm_scale, causal, window, broadcast_q, deterministic=False):
     if grad_out.shape[0] == 0 or k.shape[0] == 0:  # no score, so no gradient (see the forward)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    why = dispatch.why_not_kernel("jagged_bwd", q, k, v, grad_out)
+    why = dispatch.why_not_kernel(dispatch.BACKWARD_KERNEL, q, k, v, grad_out)
     if why is not None:
         dispatch.warn_fallback(f"backward: {why}")
         return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, sm_scale, causal, window, broadcast_q)
-    module, _ = dispatch.load_kernel_module("jagged_bwd")
+    runner, _ = dispatch.load_runner()
     max_q, max_kv = _longest(q_offsets, max_seq_len_q), _longest(kv_offsets, max_seq_len_kv)
     q_offsets, kv_offsets = dispatch.kernel_offsets(q, q_offsets, kv_offsets)
-    return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
-                                       causal, _window_or_none(window), broadcast_q, deterministic=deterministic)
+    return runner.backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal,
+                           _window_or_none(window), broadcast_q, deterministic=deterministic)
 
 
 @jagged_attention_bwd.register_fake

@@ -9,11 +9,14 @@ tensor, which would not fit for the GEM-like shapes).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from jfa import specs
+from jfa.kernels import masks
+from jfa.kernels.twin import torch_twin
 
 __all__ = [
     "jagged_attention_ref",
@@ -52,36 +55,42 @@ def _host_list(offsets: torch.Tensor) -> list[int]:
 
 
 def visible_mask(lq: int, lk: int, causal: bool, window: int | None, device="cpu") -> torch.Tensor:
-    """Boolean [lq, lk] mask of the keys each query sees (sequence-local positions).
+    """Boolean [lq, lk] mask of the keys each query sees (sequence-local positions): the kernels'
+    own definition (`jfa.kernels.masks.visible`) run on torch tensors.
 
     causal is bottom-right aligned (key j visible iff j <= i + lk - lq, FlashAttention's convention);
     the window is the seed's symmetric band |i - j| <= W on top-left positions.
     """
     i = torch.arange(lq, device=device)[:, None]
     j = torch.arange(lk, device=device)[None, :]
-    visible = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    if causal:
-        visible &= j <= i + (lk - lq)
-    if window is not None:
-        visible &= (i - j).abs() <= window
-    return visible
+    visible = torch_twin(masks.visible)(i, j, lq, lk, 0 if window is None else window, causal, window is not None)
+    return visible.expand(lq, lk)
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
-                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      sm_scale: float, score_mod=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [H, lq, D] over k, v [H, lk, D] (already head-expanded).
 
-    `visible` broadcasts to [H, lq, lk]. Returns out [H, lq, D] and lse [H, lq]. P is formed as
-    exp(S - LSE), as the kernels do, with LSE replaced by 0 on rows that see no key: those rows get
-    P = 0, hence output 0 and LSE -inf, without a NaN in the forward or the backward.
+    `visible` broadcasts to [H, lq, lk]; `score_mod(scores)` modifies the scaled scores first.
+    Returns out [H, lq, D] and lse [H, lq]. P is formed as exp(S - LSE), as the kernels do, with LSE
+    replaced by 0 on rows that see no key: those rows get P = 0, hence output 0 and LSE -inf,
+    without a NaN in the forward or the backward.
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale
+    if score_mod is not None:
+        scores = score_mod(scores)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     lse_finite = lse.masked_fill(torch.isinf(lse), 0.0)
     probs = torch.exp(scores - lse_finite[..., None])
     return torch.matmul(probs, v), lse
+
+
+def _positions(heads: int, lq: int, lk: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(head [H, 1, 1], query position [1, lq, 1], key position [1, 1, lk]): a variant's hook arguments."""
+    return (torch.arange(heads, device=device)[:, None, None], torch.arange(lq, device=device)[None, :, None],
+            torch.arange(lk, device=device)[None, None, :])
 
 
 def _expand_kv_heads(t: torch.Tensor, q_heads: int) -> torch.Tensor:
@@ -92,7 +101,7 @@ def _expand_kv_heads(t: torch.Tensor, q_heads: int) -> torch.Tensor:
 
 def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                          kv_offsets: torch.Tensor, *, sm_scale: float | None = None, causal: bool = False,
-                         window: int | None = None, broadcast_q: bool = False
+                         window: int | None = None, broadcast_q: bool = False, score_mod=None, mask_mod=None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Jagged (variable-length) softmax attention; returns (out [Tq_out, Hq, D], lse [Hq, Tq_out]).
 
@@ -100,6 +109,10 @@ def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_of
     `broadcast_q` the single query sequence (q_offsets == [0, q_len]) attends to each of the B KV
     sequences and batch b's output rows start at b*q_len. Inputs are not validated here (see
     `jfa.jagged.validate_jagged_attention`); offsets are read to the host once.
+
+    A variant's hooks, as torch functions (`jfa.variants`): `score_mod(score, seq, head, q_idx, k_idx)`
+    modifies the scaled scores and `mask_mod(seq, head, q_idx, k_idx)` hides pairs on top of causal
+    and window; `head` is [H, 1, 1], `q_idx` [1, lq, 1], `k_idx` [1, 1, lk], `seq` an int.
     """
     dtype = _compute_dtype(q, k, v)
     q, k, v = q.to(dtype), _expand_kv_heads(k.to(dtype), q.shape[1]), _expand_kv_heads(v.to(dtype), q.shape[1])
@@ -118,8 +131,16 @@ def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_of
         # Empty sequences go through the same math (no key: P = 0, output 0, LSE -inf), so the output
         # stays in autograd's graph of q, k and v even where every piece is empty.
         visible = visible_mask(lq, lk, causal, window, q.device) if (causal or window is not None) else None
+        seq_score_mod = None
+        if score_mod is not None or mask_mod is not None:
+            head_idx, q_idx, k_idx = _positions(heads, lq, lk, q.device)
+            if mask_mod is not None:
+                own = mask_mod(b, head_idx, q_idx, k_idx)
+                visible = own if visible is None else visible & own
+            if score_mod is not None:
+                seq_score_mod = functools.partial(score_mod, seq=b, head=head_idx, q_idx=q_idx, k_idx=k_idx)
         out_seq, lse_seq = _masked_attention(q[q_start:q_end].transpose(0, 1), k[kv_start:kv_end].transpose(0, 1),
-                                             v[kv_start:kv_end].transpose(0, 1), visible, scale)
+                                             v[kv_start:kv_end].transpose(0, 1), visible, scale, seq_score_mod)
         out_pieces.append(out_seq.transpose(0, 1))
         lse_pieces.append(lse_seq)
     if not out_pieces:

@@ -6,16 +6,14 @@ keys `j*block_n .. (j+1)*block_n - 1`) that query block i of sequence b and head
 -1. Picks past a sequence's keys are ignored and a repeated pick counts once. `causal` masks further
 inside the selection.
 
-On a Hopper GPU the forward runs the block-sparse fork of the jagged forward kernel
-(`jfa.kernels.jagged_fwd`, `BLOCK_SPARSE`): the same warp roles, ring and softmax; only the key
-loop's iteration changes (`_key_tile_col`), visiting the n-th selected block instead of the n-th
-consecutive one. The kernel wants each list sorted, distinct and in range, so `canonical_selection`
-makes it so on the selection's device: two sorts and a comparison, no host sync.
-
-The backward forks the jagged backward the same way (`jfa.kernels.jagged_bwd`, `BLOCK_SPARSE`): its
-key-stationary dK/dV kernel streams, past each key block, only the query blocks that selected it
-(`transposed_selection`), and its dQ kernel walks each query block's selected key blocks. Where the
-kernels cannot run, the PyTorch reference does (and says so once with a `ReferenceFallbackWarning`).
+On a Hopper GPU the jagged kernels run with the block-sparse fork (`jfa.kernels.forks.block_sparse`):
+the same warp roles, rings, softmax and epilogues; only the iteration changes. The forward and the
+dQ kernel visit a query block's n-th selected key block instead of its n-th consecutive one, and the
+dK/dV kernel streams, past each key block, only the query blocks that selected it
+(`transposed_selection`). The kernels want each list sorted, distinct and in range, so
+`canonical_selection` makes it so on the selection's device: two sorts and a comparison, no host
+sync. Where the kernels cannot run, the PyTorch reference does (and says so once with a
+`ReferenceFallbackWarning`).
 """
 from __future__ import annotations
 
@@ -151,14 +149,14 @@ def block_sparse_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tenso
 @block_sparse_attention_fwd.register_kernel("cuda")
 def _block_sparse_attention_fwd_cuda(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, max_seq_len_q,
                                      max_seq_len_kv, sm_scale, causal):
-    why = _why_not_sparse_kernel("jagged_fwd", block_m, block_n, q, k, v)
+    why = _why_not_sparse_kernel(dispatch.FORWARD_KERNEL, block_m, block_n, q, k, v)
     if why is not None:
         dispatch.warn_fallback(f"block-sparse: {why}")
         return _reference_fwd(q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale, causal)
-    module, _ = dispatch.load_kernel_module("jagged_fwd")
+    runner, _ = dispatch.load_runner()
     q_offsets, kv_offsets, selection = _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n)
-    return module.jagged_attention_fwd(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
-                                       causal, None, False, selection=selection)
+    return runner.forward(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal, None, False,
+                          fork=_fork_call(runner, selection, None, q.shape[1]))
 
 
 @block_sparse_attention_fwd.register_fake
@@ -173,6 +171,16 @@ def _why_not_sparse_kernel(module_name: str, block_m: int, block_n: int, *tensor
         why = (f"block-sparse blocks of {block_m}x{block_n}: the kernels' query and key tiles are "
                f"{specs.BLOCK_SPARSE_BLOCK}x{specs.BLOCK_SPARSE_BLOCK}")
     return why
+
+
+def _fork_call(runner, selection: BlockSelection, by_key_block: BlockSelection | None, heads: int):
+    """The block-sparse fork (`jfa.kernels.forks.block_sparse`) with the selection as its arguments: the
+    forward's (and the dQ kernel's) by query block, the dK/dV kernel's by key block."""
+    from jfa.kernels.forks.block_sparse import BLOCK_SPARSE_FORK, selection_params
+
+    return runner.ForkCall(fork=BLOCK_SPARSE_FORK, forward_params=selection_params(selection, heads),
+                           key_stationary_params=None if by_key_block is None else selection_params(by_key_block, heads),
+                           base_tiles=True, block_sparse=True)
 
 
 def _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n):
@@ -202,15 +210,16 @@ def block_sparse_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
 @block_sparse_attention_bwd.register_kernel("cuda")
 def _block_sparse_attention_bwd_cuda(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_block_idx, block_m,
                                      block_n, max_seq_len_q, max_seq_len_kv, sm_scale, causal):
-    why = _why_not_sparse_kernel("jagged_bwd", block_m, block_n, q, k, v, grad_out)
+    why = _why_not_sparse_kernel(dispatch.BACKWARD_KERNEL, block_m, block_n, q, k, v, grad_out)
     if why is not None:
         dispatch.warn_fallback(f"block-sparse backward: {why}")
         return _reference_bwd(grad_out, q, k, v, q_offsets, kv_offsets, kv_block_idx, block_m, block_n, sm_scale,
                               causal)
-    module, _ = dispatch.load_kernel_module("jagged_bwd")
+    runner, _ = dispatch.load_runner()
     q_offsets, kv_offsets, selection = _kernel_inputs(q, q_offsets, kv_offsets, kv_block_idx, block_n)
-    return module.jagged_attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q,
-                                       max_seq_len_kv, sm_scale, causal, None, False, selection=selection)
+    by_key_block = transposed_selection(selection, math.ceil(max_seq_len_kv / block_n))
+    return runner.backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale,
+                           causal, None, False, fork=_fork_call(runner, selection, by_key_block, q.shape[1]))
 
 
 @block_sparse_attention_bwd.register_fake

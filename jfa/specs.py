@@ -9,6 +9,9 @@ import math
 
 import torch
 
+from jfa.kernels.masks import visible_key_range
+from jfa.kernels.twin import torch_twin
+
 # ---- what the kernels accept ---------------------------------------------------------------
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -34,23 +37,21 @@ BWD_FLOP_FACTOR = 2.5  # backward = 2.5x forward (two GEMMs forward, five backwa
 
 
 def attention_pairs(q_lens, kv_lens, *, causal: bool = False, window: int | None = None) -> int:
-    """Number of visible (query, key) pairs, with the masks of docs/CONTRACTS.md.
+    """Number of visible (query, key) pairs, with the masks of docs/CONTRACTS.md: for every query row,
+    the keys the kernels' own `jfa.kernels.masks.visible_key_range` gives it.
 
     Causal is bottom-right aligned (query i sees keys j <= i + lk - lq); the window is |i - j| <= W.
     """
     total = 0
+    key_range = torch_twin(visible_key_range)
     for lq, lk in zip(q_lens, kv_lens):
         lq, lk = int(lq), int(lk)
         if not causal and window is None:
             total += lq * lk
             continue
-        for i in range(lq):
-            hi = min(lk - 1, i + lk - lq) if causal else lk - 1
-            lo = 0
-            if window is not None:
-                lo = max(lo, i - window)
-                hi = min(hi, i + window)
-            total += max(0, hi - lo + 1)
+        rows = torch.arange(lq)
+        kv_lo, kv_hi, _, _ = key_range(rows, rows, lq, lk, 0 if window is None else window, causal, window is not None)
+        total += int((torch.as_tensor(kv_hi) - kv_lo).clamp(min=0).sum())
     return total
 
 
