@@ -1,5 +1,5 @@
-"""CPU checks of the Blackwell fork of the jagged forward (`jfa.kernels.jagged_fwd_sm100`): compiled
-for sm_100, never run here (the GPU host is a Hopper H200).
+"""CPU checks of the Blackwell jagged forward (`jfa.kernels.fwd_sm100`): compiled for sm_100, never
+run here (the GPU host is a Hopper H200).
 
 What a compile can show is checked: every configuration builds into three roles around tensor
 memory; both GEMMs are `tcgen05.mma` (no wgmma), P·V reads its A operand (P) from TMEM, S and O
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jfa import specs
-from jfa.kernels import jagged_fwd_sm100
+from jfa.kernels import fwd_sm100
 from jfa.workbench import inspect as jinspect
 
 CONFIGS = [dict(head_dim=d, dtype=t, causal=c, window=w, broadcast_q=b)
@@ -30,7 +30,8 @@ def _id(cfg):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[_id(c) for c in CONFIGS])
 def test_compiles_for_sm100_around_tensor_memory(cfg):
-    spec = jagged_fwd_sm100.inspect_spec(**cfg)
+    spec = fwd_sm100.inspect_spec(fwd_sm100.forward_config(cfg["head_dim"], causal=cfg["causal"], window=cfg["window"],
+                                                           broadcast_q=cfg["broadcast_q"]), cfg["dtype"])
     kernel = jinspect.compile_spec(spec, "sm_100")
     ptx = kernel.asm["ptx"]
     assert "wgmma" not in ptx
@@ -44,15 +45,17 @@ def test_compiles_for_sm100_around_tensor_memory(cfg):
     assert [role.name for role in report.roles][:3] == ["softmax", "mma", "load"]
 
 
-def test_host_wrapper_refuses_to_run_off_blackwell():
+def test_launch_refuses_to_run_off_blackwell():
     q = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 10)
     offsets = torch.tensor([0, 10], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="compiled, not run here"):
-        jagged_fwd_sm100.jagged_attention_fwd_sm100(q, q, q, offsets, offsets, 10, 10, 0.125)
+        fwd_sm100.launch(q, q, q, torch.empty_like(q), lse, offsets, offsets, None, fwd_sm100.forward_config(64),
+                         programs=1, qk_scale_log2=0.125, window=None)
 
 
 def test_bad_configuration_names_the_argument():
     with pytest.raises(ValueError, match="head_dim"):
-        jagged_fwd_sm100.inspect_spec(head_dim=96)
+        fwd_sm100.forward_config(96)
     with pytest.raises(TypeError, match="dtype"):
-        jagged_fwd_sm100.inspect_spec(dtype=torch.float32)
+        fwd_sm100.inspect_spec(dtype=torch.float32)
