@@ -7,8 +7,9 @@ consumers produce partial results for the *same* output: split the K loop of a G
 or, in the attention backward, both form a dQ piece for the same query rows (each from its own
 keys). Each could add its partial into global memory (fp32 atomics, or a TMA reduce-add), but that
 is two global read-modify-writes per tile. Handing one partial to the other through shared memory
-needs only one: in `jfa.kernels.jagged_bwd` that halved the global adds of dQ and made the whole
-D=64 backward 2-15% faster (``DQ_HANDOFF_BUFFERS``).
+needs only one. jfa's fused backward (`jfa.kernels.bwd_dkdv._split_dq_step`) goes one step further,
+to tutorial 8's exchange: the consumers share their dS rather than their dQ partials, and each
+consumer adds one half of dQ's columns, so every element of dQ leaves once per key tile.
 
 How. ``C = A @ B`` with a ``[BLOCK_M, BLOCK_N]`` tile of C per program, and the K loop split
 between two consumers: consumer c takes the k-steps ``c, c + 2, c + 4, ...``. The producer streams

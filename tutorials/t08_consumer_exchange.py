@@ -3,13 +3,13 @@ Tutorial 8: two consumers that need each other's half: an exchange through share
 =========================================================================================
 
 Why. Tutorial 7 handed one consumer's partial result to the other: a one-way trip, one mbarrier.
-Sometimes each consumer needs what the *other* computed. In the attention backward at D=128
-(`jfa.kernels.jagged_bwd._consumer_q_step_split_dq`) consumer c owns 64 of a tile's 128 keys and
-forms dS for them, but dQ = dS K sums over all 128 keys: neither consumer can form any part of dQ
-alone. So each stages its dS in shared memory, both meet at a named barrier, and then consumer c
-forms the c-th half of dQ's *columns* from both halves of dS. No matrix multiply is done twice,
-each consumer keeps a [64, 64] accumulator instead of [64, 128], and each half of dQ leaves once.
-That kernel is what made the fused backward at D=128 faster than computing dQ separately.
+Sometimes each consumer needs what the *other* computed. In jfa's fused attention backward at
+D=128 (`jfa.kernels.bwd_dkdv._split_dq_step`) consumer c owns 64 of a key tile's 128 keys and forms
+dS for them, but dQ = dS K sums over all 128 keys: neither consumer can form any part of dQ alone.
+So each stages its dS in shared memory, both meet at a named barrier, and then consumer c forms the
+c-th half of dQ's *columns* from both halves of dS. No matrix multiply is done twice, each consumer
+keeps a [64, 64] accumulator instead of [64, 128], and each half of dQ leaves once, by one TMA
+reduce-add.
 
 How. The same exchange in a chain of two GEMMs, ``Y = (A @ B) @ W``, one 64-row block of Y per
 program (B and W: 128 columns, W: 128 rows):
@@ -26,8 +26,8 @@ program (B and W: 128 columns, W: 128 rows):
 A program makes one block here, so each stage is written once. In a loop (the backward's loop over
 query blocks) a consumer may rewrite its stage only after the other has read it: a second named
 barrier after the reads, or two stages per consumer used alternately, as jfa's backward does
-(``DQ_SPLIT_DS_STAGES``): a stage is rewritten two steps later, past the next step's barrier,
-which the other consumer reaches only after waiting for the wgmmas that read it.
+(`jfa.kernels.bwd_dkdv.DS_STAGES`): a stage is rewritten two steps later, past the next step's
+barrier, which the other consumer reaches only after waiting for the wgmmas that read it.
 """
 import torch
 import triton
