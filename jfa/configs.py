@@ -69,7 +69,7 @@ FUSED_MIN_MEAN_QUERIES = 512
 FUSED_KV_BUFFERS = {128: 1, 64: 2}
 # Broadcast-Q with one query block per key head (DQ_RESIDENT): dQ summed in registers, no adds
 # (PMA q=64 1.40x at D=128); K, V and dO of the next tile land a tile ahead.
-RESIDENT = {128: dict(KV_BUFFERS=2, V_BUFFERS=2, Q_BUFFERS=1), 64: dict(KV_BUFFERS=4, V_BUFFERS=4, Q_BUFFERS=1)}
+RESIDENT = {128: dict(KV_BUFFERS=2, V_BUFFERS=2, Q_BUFFERS=1)}
 
 
 class Shape(NamedTuple):
@@ -158,7 +158,7 @@ def dq_strategy(shape: Shape) -> int:
     if shape.block_sparse:
         return DQ_NONE.value
     one_block = (shape.broadcast_q and shape.total_q <= DKDV_BASE[shape.head_dim]["BLOCK_M"]
-                 and shape.q_heads == shape.kv_heads)
+                 and shape.q_heads == shape.kv_heads and shape.head_dim in RESIDENT)
     if shape.broadcast_q and shape.num_sms > shape.num_seqs:
         return DQ_NONE.value  # a fused mode's dQ copy per program would outnumber the per-sequence partials
     if one_block:  # deterministic as well: each program stores its dQ once

@@ -238,19 +238,6 @@ def _resident_dq_step(q_tile, do_tile, k_tile, v_tile, p_stage, ds_stage, dq_lo,
     return dq_lo, dq_hi
 
 
-class ConsumerKeys(NamedTuple):
-    """A consumer's half of a key tile, as its steps read it."""
-
-    seq: object
-    kv_head: object
-    q_start: object
-    q_len: object
-    out_row0: object
-    kv_start: object
-    kv_len: object
-    cols: object  # this consumer's sequence-local key columns
-
-
 @triton.jit
 def _load_halves(desc, buffers, slot, empty, phase, full, BYTES: tl.constexpr, row0, kv_head, KEYS: tl.constexpr,
                  HEAD_DIM: tl.constexpr):
@@ -324,7 +311,7 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
             kv_loads = 0
             q_loads = 0
             for tile in range(first_tile, num_tiles, tile_stride):
-                key = key_tile(tile, problem, BLOCK_M, BLOCK_N, CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q)
+                key = key_tile(tile, problem, 0, BLOCK_M, BLOCK_N, KEYS, CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q)
                 if key.num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, CFG.KV_BUFFERS)
                     if RESIDENT:  # the program's one query block, once
@@ -390,17 +377,16 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
             dq_hi = tl.zeros([BLOCK_M, HALF_D], tl.float32)
             dq_ptr = dq_accum_ptr + first_tile.to(tl.int64) * dq_partial_stride
             for tile in range(first_tile, num_tiles, tile_stride):
-                key_info = key_tile(tile, problem, BLOCK_M, BLOCK_N, CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q)
-                kv_cols = key_info.col0 + cid * KEYS + tl.arange(0, KEYS)
-                key = ConsumerKeys(key_info.seq, key_info.kv_head, key_info.q_start, key_info.q_len,
-                                   key_info.out_row0, key_info.kv_start, key_info.kv_len, kv_cols)
+                key = key_tile(tile, problem, cid, BLOCK_M, BLOCK_N, KEYS, CFG.CAUSAL, CFG.HAS_WINDOW,
+                               CFG.BROADCAST_Q)
+                kv_cols = key.cols
                 kv_ok = kv_cols < key.kv_len
-                if key_info.num_q_blocks > 0:
+                if key.num_q_blocks > 0:
                     kv_slot, kv_phase = ring_slot(kv_loads, CFG.KV_BUFFERS)
                     v_slot, _ = ring_slot(kv_loads, CFG.V_BUFFERS)
                     if RESIDENT:  # one query head per key head; the rows' LSE and Delta load under the waits
                         lse_log2, delta = lse_delta_rows(lse_ptr, delta_ptr, key.kv_head, key.out_row0,
-                                                         key_info.first_row, key.q_len, stride_lse_head,
+                                                         key.first_row, key.q_len, stride_lse_head,
                                                          stride_delta_head, BLOCK_M)
                         tlx.barrier_wait(q_ring.fulls[0], 0)
                     tlx.barrier_wait(kv_ring.fulls[kv_slot], kv_phase)
@@ -419,15 +405,15 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
                         dv = tl.zeros([KEYS, HEAD_DIM], tl.float32)
                         for g in range(gqa_group):
                             head = key.kv_head * gqa_group + g
-                            cursor, head_blocks = FORK.query_blocks(key.seq, head, key_info.col0 // BLOCK_N,
-                                                                    key_info.num_q_blocks, params, BLOCK_M, BLOCK_N)
+                            cursor, head_blocks = FORK.query_blocks(key.seq, head, key.col0 // BLOCK_N,
+                                                                    key.num_q_blocks, params, BLOCK_M, BLOCK_N)
                             # Masked blocks, the mask-free bulk, masked blocks (MASK_FREE_BULK; else all masked).
                             BULK: tl.constexpr = CFG.MASK_FREE_BULK and FORK.mask_mod is None
                             bulk_lo, bulk_hi = head_blocks, head_blocks
                             if BULK:
-                                bulk_lo, bulk_hi = full_query_blocks(key_info.col0 + cid * KEYS,
-                                                                     key_info.col0 + cid * KEYS + KEYS - 1,
-                                                                     key_info.first_row, head_blocks, key.q_len,
+                                bulk_lo, bulk_hi = full_query_blocks(key.col0 + cid * KEYS,
+                                                                     key.col0 + cid * KEYS + KEYS - 1,
+                                                                     key.first_row, head_blocks, key.q_len,
                                                                      key.kv_len, window, BLOCK_M, CFG.CAUSAL,
                                                                      CFG.HAS_WINDOW)
                             lse_log2 = tl.zeros([BLOCK_M], tl.float32)  # the first block's, with DQ_SPLIT
@@ -435,14 +421,14 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
                             if SPLIT and head_blocks > 0:
                                 lse_log2, delta = lse_delta_rows(
                                     lse_ptr, delta_ptr, head, key.out_row0,
-                                    FORK.query_block_row(0, key_info.first_row, cursor, BLOCK_M, BLOCK_N), key.q_len,
+                                    FORK.query_block_row(0, key.first_row, cursor, BLOCK_M, BLOCK_N), key.q_len,
                                     stride_lse_head, stride_delta_head, BLOCK_M)
                             for segment in tl.static_range(3 if BULK else 1):
                                 lo, hi = loop_segment(segment, 0, bulk_lo, bulk_hi, head_blocks)
                                 for block in range(lo, hi):
-                                    q_row0 = FORK.query_block_row(block, key_info.first_row, cursor, BLOCK_M, BLOCK_N)
-                                    if block_visible(key.seq, head, q_row0, q_row0 + BLOCK_M - 1, key_info.col0,
-                                                     key_info.col0 + BLOCK_N - 1, params, FORK):
+                                    q_row0 = FORK.query_block_row(block, key.first_row, cursor, BLOCK_M, BLOCK_N)
+                                    if block_visible(key.seq, head, q_row0, q_row0 + BLOCK_M - 1, key.col0,
+                                                     key.col0 + BLOCK_N - 1, params, FORK):
                                         slot, phase = ring_slot(q_loads, CFG.Q_BUFFERS)
                                         tlx.barrier_wait(q_ring.fulls[slot], phase)
                                         if CFG.Q_BUFFERS == 1:  # a constant slot: its descriptors would be hoisted
@@ -457,7 +443,7 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
                                             v_index = kv_index
                                         if SPLIT:
                                             next_q_row0 = FORK.query_block_row(tl.minimum(block + 1, head_blocks - 1),
-                                                                               key_info.first_row, cursor, BLOCK_M,
+                                                                               key.first_row, cursor, BLOCK_M,
                                                                                BLOCK_N)
                                             dk, dv, lse_log2, delta = _split_dq_step(
                                                 q_ring.buffers[q_slot], do_buffers[q_slot], k_buffers, step_kv_slot,

@@ -23,14 +23,15 @@ import triton.language.extra.tlx as tlx
 
 from jfa import specs
 from jfa.kernels.epilogue import store_rows
-from jfa.kernels.hooks import DEFAULT_FORK, backward_probabilities, block_visible, first_visible_key_tile, score_gradient
+from jfa.kernels.hooks import (DEFAULT_FORK, backward_probabilities, first_visible_key_tile, key_tile_in_view,
+                               score_gradient)
 from jfa.kernels.launch import CachedLaunch
 from jfa.kernels.pingpong import pingpong_enter, pingpong_exit, pingpong_start
 from jfa.kernels.producers import load_key_tiles, load_query_rows
 from jfa.kernels.ring import leading_rows, make_ring, ring_index, ring_release, ring_wait
 from jfa.kernels.softmax import lse_delta_rows
 from jfa.kernels.spec import TRITON_DTYPE_NAMES, KernelSpec
-from jfa.kernels.tiles import ROWS_PER_CONSUMER, Problem, dealt_tile, loop_segment, query_tile, tile_loop
+from jfa.kernels.tiles import ROWS_PER_CONSUMER, Problem, consumer_rows, loop_segment, query_tile_at, tile_loop
 from jfa.kernels.tma import rows_descriptor
 
 CONSUMERS: tl.constexpr = tl.constexpr(2)
@@ -113,8 +114,6 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
     BLOCK_N: tl.constexpr = CFG.BLOCK_N
     PAIRED: tl.constexpr = CFG.HEADS_PER_TILE == 2  # short queries, dealt entry-major (`fwd_sm90`)
     BLOCK_M: tl.constexpr = ROWS if PAIRED else ROWS * CONSUMERS
-    ROW_STEP: tl.constexpr = 0 if PAIRED else ROWS
-    HEAD_STEP: tl.constexpr = 1 if PAIRED else 0
     KV_READERS: tl.constexpr = CONSUMERS // CFG.HEADS_PER_TILE
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     dq_dtype: tl.constexpr = dq_ptr.dtype.element_ty  # q's dtype, or fp32 partials with broadcast-Q
@@ -139,10 +138,9 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
             q_loads = 0
             loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
-                tile = query_tile(dealt_tile(step, PAIRED), problem, FORK, BLOCK_M, BLOCK_N, CFG.HEADS_PER_TILE,
-                                  CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q, CFG.HALF_TAIL, False)
+                tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, False)
                 if tile.num_kv_tiles > 0:
-                    load_query_rows(desc_q, q_ring, q_loads, tile.q_row0, tile.head, CONSUMERS, ROW_STEP, HEAD_STEP,
+                    load_query_rows(desc_q, q_ring, q_loads, tile.q_row0, tile.head, CONSUMERS, PAIRED, ROWS,
                                     HEAD_DIM, Q_AND_DO_BYTES, desc_do, do_buffers, tile.out_row0 + tile.row_lo)
                     q_loads += 1
                     kv_count = load_key_tiles(desc_k, desc_v, desc_k_half, desc_v_half, k_ring, v_ring, kv_count,
@@ -157,11 +155,8 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
             q_loads = 0
             loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
-                tile = query_tile(dealt_tile(step, PAIRED), problem, FORK, BLOCK_M, BLOCK_N, CFG.HEADS_PER_TILE,
-                                  CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q, CFG.HALF_TAIL, False)
-                first_row = tile.row_lo + cid * ROW_STEP
-                rows = first_row + tl.arange(0, ROWS)
-                head = tile.head + cid * HEAD_STEP
+                tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, False)
+                first_row, rows, head = consumer_rows(tile, cid, PAIRED, ROWS)
                 num_steps = tile.num_kv_tiles - tile.half_tail  # key tiles taken whole
                 first = first_visible_key_tile(tile, num_steps, problem, BLOCK_M, BLOCK_N, FORK)
                 if first < tile.num_kv_tiles:
@@ -183,9 +178,8 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
                     for segment in tl.static_range(3):
                         lo, hi = loop_segment(segment, first + 1, tile.bulk_lo, tile.bulk_hi, num_steps)
                         for n in range(lo, hi):
-                            col = FORK.key_tile_col(n, tile.first_col, tile.cursor, BLOCK_N)
-                            if block_visible(tile.seq, tile.head, tile.row_lo, tile.row_lo + BLOCK_M - 1, col,
-                                             col + BLOCK_N - 1, problem.params, FORK):
+                            col, visible = key_tile_in_view(tile, n, params, BLOCK_M, BLOCK_N, FORK)
+                            if visible:
                                 ds, acc, kv_count = _dq_step(q_tile, do_tile, k_ring, v_ring, ds, acc, lse_log2, delta,
                                                              kv_count, col, rows, tile, head, problem, qk_scale_log2,
                                                              cid, LANE, BLOCK_N, segment != 1, False, CFG, FORK)

@@ -34,14 +34,15 @@ import triton.language.extra.tlx as tlx
 
 from jfa import specs
 from jfa.kernels.epilogue import store_output, store_rows
-from jfa.kernels.hooks import DEFAULT_FORK, block_visible, first_visible_key_tile, softmax_scores
+from jfa.kernels.hooks import DEFAULT_FORK, first_visible_key_tile, key_tile_in_view, softmax_scores
 from jfa.kernels.launch import CachedLaunch
 from jfa.kernels.pingpong import pingpong_enter, pingpong_exit, pingpong_start
 from jfa.kernels.producers import load_key_tiles, load_query_rows
 from jfa.kernels.ring import leading_rows, make_ring, ring_index, ring_release, ring_wait
 from jfa.kernels.softmax import finalize_rows, online_softmax_step
 from jfa.kernels.spec import TRITON_DTYPE_NAMES, KernelSpec
-from jfa.kernels.tiles import ROWS_PER_CONSUMER, Problem, dealt_tile, loop_segment, query_tile, sm_major, tile_loop
+from jfa.kernels.tiles import (ROWS_PER_CONSUMER, Problem, consumer_rows, loop_segment, query_tile_at, sm_major,
+                              tile_loop)
 from jfa.kernels.tma import rows_descriptor
 from jfa.kernels.twin import torch_twin
 
@@ -146,8 +147,6 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
     # (short queries, dealt entry-major): both consumers take the same 64 rows, consumer c head + c.
     PAIRED: tl.constexpr = CFG.HEADS_PER_TILE == 2
     BLOCK_M: tl.constexpr = ROWS if PAIRED else ROWS * CONSUMERS
-    ROW_STEP: tl.constexpr = 0 if PAIRED else ROWS
-    HEAD_STEP: tl.constexpr = 1 if PAIRED else 0
     KV_READERS: tl.constexpr = CONSUMERS // CFG.HEADS_PER_TILE  # consumers that read each K/V tile
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -185,11 +184,10 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
             loaded_q_key = -1
             loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
-                tile = query_tile(dealt_tile(step, PAIRED), problem, FORK, BLOCK_M, BLOCK_N, CFG.HEADS_PER_TILE,
-                                  CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q, CFG.HALF_TAIL, REUSE_Q)
+                tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, REUSE_Q)
                 if tile.num_kv_tiles > 0:
                     if tile.q_key != loaded_q_key:
-                        load_query_rows(desc_q, q_ring, q_loads, tile.q_row0, tile.head, CONSUMERS, ROW_STEP, HEAD_STEP,
+                        load_query_rows(desc_q, q_ring, q_loads, tile.q_row0, tile.head, CONSUMERS, PAIRED, ROWS,
                                         HEAD_DIM, Q_BYTES)
                         q_loads += 1
                         loaded_q_key = tile.q_key
@@ -206,11 +204,8 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
             loaded_q_key = -1
             loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
-                tile = query_tile(dealt_tile(step, PAIRED), problem, FORK, BLOCK_M, BLOCK_N, CFG.HEADS_PER_TILE,
-                                  CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q, CFG.HALF_TAIL, REUSE_Q)
-                first_row = tile.row_lo + cid * ROW_STEP
-                rows = first_row + tl.arange(0, ROWS)
-                head = tile.head + cid * HEAD_STEP
+                tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, REUSE_Q)
+                first_row, rows, head = consumer_rows(tile, cid, PAIRED, ROWS)
                 num_steps = tile.num_kv_tiles - tile.half_tail  # key tiles taken whole
                 first = first_visible_key_tile(tile, num_steps, problem, BLOCK_M, BLOCK_N, FORK)
                 if first < tile.num_kv_tiles:
@@ -246,9 +241,8 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
                     for segment in tl.static_range(3):
                         lo, hi = loop_segment(segment, first + 1, tile.bulk_lo, tile.bulk_hi, num_steps)
                         for n in range(lo, hi):
-                            col = FORK.key_tile_col(n, tile.first_col, tile.cursor, BLOCK_N)
-                            if block_visible(tile.seq, tile.head, tile.row_lo, tile.row_lo + BLOCK_M - 1, col,
-                                             col + BLOCK_N - 1, problem.params, FORK):
+                            col, visible = key_tile_in_view(tile, n, params, BLOCK_M, BLOCK_N, FORK)
+                            if visible:
                                 p, acc, m_i, l_i, kv_count = _attend_key_tile(
                                     q_tile, k_ring, v_ring, p, acc, m_i, l_i, kv_count, col, rows, tile, head, problem,
                                     qk_scale_log2, cid, LANE, CONSUMERS, BLOCK_N, segment != 1, CFG, FORK)

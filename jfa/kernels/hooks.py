@@ -148,6 +148,14 @@ def block_visible(seq, head, q_lo, q_hi, k_lo, k_hi, params, FORK: tl.constexpr)
 
 
 @triton.jit
+def key_tile_in_view(tile, n, params, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FORK: tl.constexpr):
+    """(first key, whether to visit) of a query tile's n-th key tile: the fork's iteration and block mask."""
+    col = FORK.key_tile_col(n, tile.first_col, tile.cursor, BLOCK_N)
+    return col, block_visible(tile.seq, tile.head, tile.row_lo, tile.row_lo + BLOCK_M - 1, col, col + BLOCK_N - 1,
+                              params, FORK)
+
+
+@triton.jit
 def first_visible_key_tile(tile, num_steps, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            FORK: tl.constexpr):
     """The first key tile the fork's block_mask admits (`num_steps` when none does); 0 without one."""
@@ -157,8 +165,7 @@ def first_visible_key_tile(tile, num_steps, problem, BLOCK_M: tl.constexpr, BLOC
         first = num_steps
         for back in range(num_steps):
             n = num_steps - 1 - back
-            col = FORK.key_tile_col(n, tile.first_col, tile.cursor, BLOCK_N)
-            if block_visible(tile.seq, tile.head, tile.row_lo, tile.row_lo + BLOCK_M - 1, col, col + BLOCK_N - 1,
-                             problem.params, FORK):
+            _, visible = key_tile_in_view(tile, n, problem.params, BLOCK_M, BLOCK_N, FORK)
+            if visible:
                 first = n
     return first

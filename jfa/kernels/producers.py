@@ -14,18 +14,20 @@ import triton
 import triton.language as tl
 import triton.language.extra.tlx as tlx
 
-from jfa.kernels.hooks import block_visible
+from jfa.kernels.hooks import key_tile_in_view
 from jfa.kernels.ring import leading_rows, ring_acquire
 
 
 @triton.jit
-def load_query_rows(desc, ring, count, row0, head, LANES: tl.constexpr, ROW_STEP: tl.constexpr,
-                    HEAD_STEP: tl.constexpr, HEAD_DIM: tl.constexpr, BYTES: tl.constexpr, desc_extra=None, extra=None,
-                    extra_row0=0):
-    """Load a Q block into slot `count` of `ring`, lane c's box at rows row0 + c*ROW_STEP of head
-    head + c*HEAD_STEP. With `desc_extra`, a second tensor's box (dO, from rows extra_row0 + ...) lands
-    in buffer `extra[index]` on the same barrier (BYTES counts both)."""
-    for c in tl.static_range(LANES):
+def load_query_rows(desc, ring, count, row0, head, CONSUMERS: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BYTES: tl.constexpr, desc_extra=None, extra=None, extra_row0=0):
+    """Load a query tile's Q into slot `count` of `ring`, one box per consumer (`tiles.consumer_rows`):
+    consumer c's ROWS rows from row0 + c*ROWS of `head`, or with PAIRED heads rows row0.. of head + c.
+    With `desc_extra`, a second tensor's boxes (dO, from rows extra_row0 ..) land in `extra[index]` on
+    the same barriers (BYTES counts both)."""
+    ROW_STEP: tl.constexpr = 0 if PAIRED else ROWS
+    HEAD_STEP: tl.constexpr = 1 if PAIRED else 0
+    for c in tl.static_range(CONSUMERS):
         index = ring_acquire(ring, count, BYTES, c)
         col = (head + c * HEAD_STEP) * HEAD_DIM
         tlx.async_descriptor_load(desc, ring.buffers[index], [row0 + c * ROW_STEP, col], ring.fulls[index])
@@ -61,9 +63,8 @@ def load_key_tiles(desc_k, desc_v, desc_k_half, desc_v_half, k_ring, v_ring, cou
     consumers. A half last tile (HALF_TAIL) comes through the half-height descriptors."""
     num_steps = tile.num_kv_tiles - tile.half_tail  # key tiles loaded whole
     for n in range(num_steps):
-        col = FORK.key_tile_col(n, tile.first_col, tile.cursor, BLOCK_N)
-        if block_visible(tile.seq, tile.head, tile.row_lo, tile.row_lo + BLOCK_M - 1, col, col + BLOCK_N - 1,
-                         problem.params, FORK):
+        col, visible = key_tile_in_view(tile, n, problem.params, BLOCK_M, BLOCK_N, FORK)
+        if visible:
             load_kv_tile(desc_k, desc_v, k_ring, v_ring, count, tile.kv_start, col, tile.seq, tile.head,
                          problem.gqa_group, LANES, HEAD_DIM, BLOCK_N, FORK)
             count += 1

@@ -204,6 +204,29 @@ def query_tile(tile, problem, FORK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def query_tile_at(step, problem, CFG: tl.constexpr, FORK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  REUSE_Q: tl.constexpr):
+    """The QueryTile of loop step `step` of `tile_loop` (entry-major exactly when heads are paired), for a
+    kernel configuration `CFG` with the fields HEADS_PER_TILE, BLOCK_N, CAUSAL, HAS_WINDOW, BROADCAST_Q,
+    HALF_TAIL."""
+    return query_tile(dealt_tile(step, CFG.HEADS_PER_TILE == 2), problem, FORK, BLOCK_M, CFG.BLOCK_N,
+                      CFG.HEADS_PER_TILE, CFG.CAUSAL, CFG.HAS_WINDOW, CFG.BROADCAST_Q, CFG.HALF_TAIL, REUSE_Q)
+
+
+@triton.jit
+def consumer_rows(tile, cid: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr):
+    """(first_row, rows, head) of consumer `cid` in a query tile: its own 64 rows of the tile's head, or
+    (paired heads) the tile's 64 rows of head `tile.head + cid`."""
+    if PAIRED:
+        first_row = tile.row_lo
+        head = tile.head + cid
+    else:
+        first_row = tile.row_lo + cid * ROWS
+        head = tile.head
+    return first_row, first_row + tl.arange(0, ROWS), head
+
+
+@triton.jit
 def loop_segment(segment: tl.constexpr, start, bulk_lo, bulk_hi, end):
     """[lo, hi) of segment 0 (leading masked tiles), 1 (the mask-free bulk) or 2 (trailing masked
     tiles) of start..end. Written `for segment in tl.static_range(3)`, the three loops share one
@@ -221,7 +244,8 @@ def loop_segment(segment: tl.constexpr, start, bulk_lo, bulk_hi, end):
 class KeyTile(NamedTuple):
     """One (sequence, key block, key head) tile: its keys are sequence-local columns col0 ..
     col0 + BLOCK_N - 1, and the query blocks that see them start at row first_row, num_q_blocks of
-    them (`masks.visible_query_blocks`, the count the tile list sorts by)."""
+    them (`masks.visible_query_blocks`, the count the tile list sorts by). `cols` are the KEYS columns
+    of one consumer's share."""
 
     seq: object
     kv_head: object
@@ -233,12 +257,14 @@ class KeyTile(NamedTuple):
     col0: object
     first_row: object
     num_q_blocks: object
+    cols: object
 
 
 @triton.jit
-def key_tile(tile, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
-    """Decode a tile id of the key-tile list (head-minor: tile t is entry t // Hkv, key head t % Hkv)."""
+def key_tile(tile, problem, share, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
+    """Decode a tile id of the key-tile list (head-minor: tile t is entry t // Hkv, key head t % Hkv);
+    `share` picks which KEYS columns `cols` holds (a consumer's half)."""
     num_kv_heads = problem.num_q_heads // problem.gqa_group
     entry = tl.load(problem.tile_entries_ptr + tile // num_kv_heads)
     kv_head = tile % num_kv_heads
@@ -248,7 +274,8 @@ def key_tile(tile, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL
                                                                problem.broadcast_q_len, BROADCAST_Q)
     first_row, num_q_blocks = visible_query_blocks(col0, q_len, kv_len, problem.window, BLOCK_M, BLOCK_N, CAUSAL,
                                                    HAS_WINDOW)
-    return KeyTile(seq, kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks)
+    cols = col0 + share * KEYS + tl.arange(0, KEYS)
+    return KeyTile(seq, kv_head, q_start, q_len, out_row0, kv_start, kv_len, col0, first_row, num_q_blocks, cols)
 
 
 @triton.jit
