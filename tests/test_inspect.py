@@ -131,15 +131,19 @@ def test_cli_json_and_errors(capsys):
     assert "matches" in capsys.readouterr().err
 
 
-def test_cli_takes_an_exact_module_name_over_the_names_it_prefixes():
+def test_cli_takes_an_exact_module_name_over_the_names_it_prefixes(monkeypatch):
+    from jfa.workbench import inspect as inspect_module
     from jfa.workbench.inspect import _resolve_module
 
-    assert _resolve_module("jagged_fwd") == "jfa.kernels.jagged_fwd"  # not ambiguous with jagged_fwd_sm100
-    assert _resolve_module("jagged_fwd_") == "jfa.kernels.jagged_fwd_sm100"
+    assert _resolve_module("fwd_sm90") == "jfa.kernels.fwd_sm90"
+    assert _resolve_module("fwd_sm1") == "jfa.kernels.fwd_sm100"
     assert _resolve_module("t04") == "tutorials.t04_attention_pingpong"
-    assert _resolve_module("jfa.kernels.jagged_bwd") == "jfa.kernels.jagged_bwd"
+    assert _resolve_module("jfa.kernels.bwd_dq") == "jfa.kernels.bwd_dq"
     with pytest.raises(ValueError, match="matches"):
-        _resolve_module("jagged")
+        _resolve_module("fwd_sm")  # fwd_sm90 and fwd_sm100
+    # a name that is one module's whole name and the start of another's picks the first
+    monkeypatch.setattr(inspect_module, "_inspectable_modules", lambda: ["jfa.kernels.bwd_dq", "jfa.kernels.bwd_dq2"])
+    assert _resolve_module("bwd_dq") == "jfa.kernels.bwd_dq"
 
 
 def test_cli_reports_a_module_that_does_not_import(capsys):

@@ -1,4 +1,4 @@
-"""The TMA view every kernel cuts its row boxes from (`jfa.kernels.common.rows_descriptor`).
+"""The TMA view every kernel cuts its row boxes from (`jfa.kernels.tma.rows_descriptor`).
 
 Checked on the CPU: a descriptor is host data (shape, strides, box); the GPU only sees it at launch.
 The forward's TMA-store epilogue writes through this view, so its row stride must be the tensor's
@@ -9,7 +9,7 @@ wrongly.
 import pytest
 import torch
 
-from jfa.kernels.common import rows_descriptor
+from jfa.kernels.tma import rows_descriptor
 
 
 def test_contiguous_tensor_is_viewed_as_rows_of_heads():
