@@ -10,6 +10,9 @@ Layers (imports run downward only):
 | runtime | `jfa` and its other top-level modules: API, dispatch, validation, references, schedules |
 | kernels | `jfa.kernels.*` |
 
+The kernels stand on their own: a module under `jfa/kernels/` imports only other kernel modules and
+`jfa.specs` (the shared facts), so a reader can take the kernels without the runtime around them.
+
 `jfa.__main__` is the command line's entry point: it sits above every layer and delegates to
 `jfa.workbench.cli`. Imports are read from the source (`ast`), wherever they are written (module
 level, inside a function, under `TYPE_CHECKING`), so a lazy import counts like any other.
@@ -29,6 +32,7 @@ PACKAGE_DIR = REPO / "jfa"
 ENTRY_POINT = "jfa.__main__"
 WORKBENCH = "jfa.workbench"
 KERNELS = "jfa.kernels"
+KERNEL_IMPORTS_BESIDES_KERNELS = ("jfa.specs",)  # what a kernel module may import outside jfa.kernels
 # The checkout's folders that an installed package does not have: a path into one is a word that starts
 # with the folder and a slash, or the bare folder name joined into a path (`root / "results"`).
 CHECKOUT_ONLY_DIRS = ("scripts", "results")
@@ -97,6 +101,13 @@ def test_every_module_imports(name):
 def test_runtime_and_kernels_never_import_the_workbench(name):
     upward = sorted(m for m in GRAPH[name] if _within(m, WORKBENCH))
     assert not upward, f"{name} ({_layer(name)}) imports the workbench: {upward}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _layer(n) == "kernels"))
+def test_kernels_import_only_kernels_and_the_shared_facts(name):
+    outside = sorted(m for m in GRAPH[name] if not _within(m, KERNELS) and m not in KERNEL_IMPORTS_BESIDES_KERNELS)
+    assert not outside, (f"{name} (kernels) imports {outside}: a kernel module imports only jfa.kernels.* and "
+                         f"{', '.join(KERNEL_IMPORTS_BESIDES_KERNELS)}; move what it needs into the kernels or pass it in")
 
 
 def test_the_entry_point_delegates_to_the_workbench_cli():
