@@ -47,25 +47,22 @@ def test_reference_is_differentiable_without_scores(q_lens, kv_lens, broadcast_q
     assert_scoreless_result(q, k, v, out, lse, out_rows(q, kv_offsets, broadcast_q))
 
 
-class KernelsThatMustNotRun:
-    """Stands in for jfa.kernels.jagged_fwd / jagged_bwd: a problem without scores never reaches them."""
+class RunnerThatMustNotRun:
+    """Stands in for jfa.runner (`forward`, `backward`): a problem without scores never reaches it."""
 
-    def is_supported(self, q):
-        return True
-
-    def jagged_attention_fwd(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         raise AssertionError("the forward kernel was called on a problem without scores")
 
-    def jagged_attention_bwd(self, *args, **kwargs):
-        raise AssertionError("the backward kernel was called on a problem without scores")
+    def backward(self, *args, **kwargs):
+        raise AssertionError("the backward kernels were called on a problem without scores")
 
 
 @pytest.fixture
 def cuda_dispatch_on_cpu(monkeypatch):
     """Eager CPU calls take the CUDA implementations, with kernels that must not run."""
-    kernels = KernelsThatMustNotRun()
+    runner = RunnerThatMustNotRun()
     monkeypatch.setattr(dispatch, "why_not_kernel", lambda name, *tensors, **kwargs: None)
-    monkeypatch.setattr(dispatch, "load_kernel_module", lambda name: (kernels, ""))
+    monkeypatch.setattr(dispatch, "load_runner", lambda: (runner, ""))
     monkeypatch.setitem(ops._FWD_BY_DEVICE, "cpu", ops._jagged_attention_fwd_cuda)
     monkeypatch.setitem(ops._BWD_BY_DEVICE, "cpu", ops._jagged_attention_bwd_cuda)
 

@@ -198,35 +198,32 @@ def test_package_exports():
     assert jfa.jagged_attention is ops.jagged_attention
 
 
-class StubKernels:
-    """Stands in for jfa.kernels.jagged_fwd / jagged_bwd: records what the op hands a kernel."""
+class StubRunner:
+    """Stands in for jfa.runner (its `forward` and `backward` signatures): records what the op hands it."""
 
     def __init__(self):
         self.calls = []
 
-    def is_supported(self, q):
-        return True
-
-    def jagged_attention_fwd(self, q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal, window,
-                             broadcast_q):
-        self.calls.append(dict(offsets_dtype=(q_offsets.dtype, kv_offsets.dtype), max_len=(max_q, max_kv),
-                               window=window))
+    def forward(self, q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal, window,
+                broadcast_q, *, out=None, lse=None, fork=None, qk_descale=1.0, out_dtype=None):
+        self.calls.append(dict(offsets_dtype=(q_offsets.dtype, kv_offsets.dtype),
+                               max_len=(max_seq_len_q, max_seq_len_kv), window=window))
         return ops._reference_fwd(q, k, v, q_offsets, kv_offsets, sm_scale, causal, ops.NO_WINDOW if window is None
                                   else window, broadcast_q)
 
-    def jagged_attention_bwd(self, grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q, max_kv, sm_scale,
-                             causal, window, broadcast_q, *, deterministic):
-        self.calls.append(dict(offsets_dtype=(q_offsets.dtype, kv_offsets.dtype), max_len=(max_q, max_kv),
-                               window=window, deterministic=deterministic))
+    def backward(self, dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal,
+                 window, broadcast_q, *, deterministic=False, grads=None, fork=None, dq_strategy=None):
+        self.calls.append(dict(offsets_dtype=(q_offsets.dtype, kv_offsets.dtype),
+                               max_len=(max_seq_len_q, max_seq_len_kv), window=window, deterministic=deterministic))
         return tuple(torch.zeros_like(t) for t in (q, k, v))
 
 
 @pytest.mark.parametrize("window", [None, 2])
 def test_kernel_dispatch_plumbing(monkeypatch, window):
-    """The CUDA implementations, called directly with a stub kernel: what a kernel receives."""
-    stub = StubKernels()
-    monkeypatch.setattr(dispatch, "why_not_kernel", lambda module_name, *tensors: None)
-    monkeypatch.setattr(dispatch, "load_kernel_module", lambda name: (stub, ""))
+    """The CUDA implementations, called directly with a stub runner: what the kernels' runner receives."""
+    stub = StubRunner()
+    monkeypatch.setattr(dispatch, "why_not_kernel", lambda name, *tensors, **kwargs: None)
+    monkeypatch.setattr(dispatch, "load_runner", lambda: (stub, ""))
     q, k, v, q_offsets, kv_offsets = make_call()
     op_window = ops.NO_WINDOW if window is None else window
     out, lse = ops._jagged_attention_fwd_cuda(q, k, v, q_offsets.long(), kv_offsets.long(), ops.UNKNOWN_MAX_LEN, 40,
@@ -242,23 +239,20 @@ def test_kernel_dispatch_plumbing(monkeypatch, window):
 
 
 def test_backend_reasons():
-    assert dispatch.why_not_kernel("jagged_fwd", torch.empty(2, 1, 64)) == \
+    assert dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, torch.empty(2, 1, 64)) == \
         "q is on cpu, the TLX kernels need a CUDA (sm_90) GPU"
     assert "did not import" in dispatch.load_kernel_module("no_such_kernel")[1]
 
 
-class ShapeOnlyKernels:
-    """Kernels that read nothing but shapes: outputs and gradients of the right size."""
+class ShapeOnlyRunner:
+    """A runner whose kernels read nothing but shapes: outputs and gradients of the right size."""
 
-    def is_supported(self, q):
-        return True
-
-    def jagged_attention_fwd(self, q, k, v, q_offsets, kv_offsets, max_q, max_kv, sm_scale, causal, window,
-                             broadcast_q):
+    def forward(self, q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv, sm_scale, causal, window,
+                broadcast_q, **options):
         rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
         return q.new_zeros(rows, *q.shape[1:]), q.new_zeros(q.shape[1], rows, dtype=torch.float32)
 
-    def jagged_attention_bwd(self, grad_out, q, k, v, *args, deterministic):
+    def backward(self, dout, q, k, v, *args, **options):
         return tuple(torch.zeros_like(t) for t in (q, k, v))
 
 
@@ -267,9 +261,9 @@ def test_an_eager_call_reads_the_offsets_once(broadcast_q, monkeypatch):
     """Validation reads its one summary of the offsets (a sync for GPU offsets); the CUDA
     implementations, forward and backward, take the lengths it found and read nothing more."""
     from tests.test_validation import ReadCountingOffsets
-    kernels = ShapeOnlyKernels()
+    runner = ShapeOnlyRunner()
     monkeypatch.setattr(dispatch, "why_not_kernel", lambda name, *tensors, **kwargs: None)
-    monkeypatch.setattr(dispatch, "load_kernel_module", lambda name: (kernels, ""))
+    monkeypatch.setattr(dispatch, "load_runner", lambda: (runner, ""))
     monkeypatch.setitem(ops._FWD_BY_DEVICE, "cpu", ops._jagged_attention_fwd_cuda)
     monkeypatch.setitem(ops._BWD_BY_DEVICE, "cpu", ops._jagged_attention_bwd_cuda)
     monkeypatch.setattr(ReadCountingOffsets, "reads", [])
