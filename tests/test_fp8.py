@@ -1,5 +1,5 @@
 """`jfa.jagged_attention_fp8` on the CPU: argument checks and the reference path on dequantized inputs
-(the kernel itself: tests/gpu/test_fp8.py; its compile: tests/test_jagged_fwd_compile.py)."""
+(the kernel itself: tests/gpu/test_fp8.py; its compile: the forward kernel's CPU compile tests)."""
 import pytest
 import torch
 
