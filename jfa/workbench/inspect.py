@@ -445,7 +445,7 @@ def main(argv: list[str]) -> int:
         description="Compile a kernel without a GPU and report its warp roles, registers, shared "
                     "and tensor memory, and PTX instruction mix.",
         epilog="examples: t01 | t04 PINGPONG=False | block_attn direction=bwd head_dim=64 | "
-               "t05 --target sm_100 | jfa.kernels.jagged_fwd dtype=float16")
+               "t05 --target sm_100 | jfa.kernels.bwd_delta dtype=float16")
     parser.add_argument("module", nargs="?", help="a module with inspect_spec(): dotted path, or a name "
                         f"or prefix inside {' / '.join(INSPECTABLE_PACKAGES)}; omit to list them")
     parser.add_argument("config", nargs="*", metavar="KEY=VALUE", help="keyword arguments of inspect_spec()")
@@ -490,8 +490,8 @@ def _inspectable_modules() -> list:
 
 
 def _resolve_module(name: str) -> str:
-    """A dotted path as is; otherwise the inspectable module named exactly `name` (jagged_fwd, though
-    jagged_fwd_sm100 starts with it too), else the one whose name starts with `name` (t04)."""
+    """A dotted path as is; otherwise the inspectable module named exactly `name` (bwd_dq, even if
+    another module's name starts with it), else the one whose name starts with `name` (t04)."""
     if "." in name:
         return name
     modules = _inspectable_modules()

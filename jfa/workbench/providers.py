@@ -153,7 +153,7 @@ def _build_jfa_jagged(problem: Problem) -> ProviderRun:
                                                    broadcast_q=problem.kind == "pma")
     args = (q, k, v, problem.q_offsets, problem.kv_offsets, checked)
     return ProviderRun(lambda: jfa.ops.jagged_attention_validated(*args)[0], _identity, [q, k, v],
-                       no_backward=_jfa_kernel_or_why("jagged_bwd", q), notes=[JFA_VALIDATED_NOTE])
+                       no_backward=_jfa_kernel_or_why("bwd_dkdv", q), notes=[JFA_VALIDATED_NOTE])
 
 
 def build_jfa(problem: Problem) -> ProviderRun:
@@ -169,7 +169,7 @@ def build_jfa(problem: Problem) -> ProviderRun:
         return ProviderRun(lambda: block.block_attention(q, k, v, problem.q_offsets), _identity, [q, k, v])
     jfa = _import("jfa", "jfa")
     if problem.kind == "block_sparse":
-        why = _jfa_kernel_or_why("jagged_fwd", q)
+        why = _jfa_kernel_or_why("fwd_sm90", q)
         if why:
             raise ProviderUnavailable(why)
         sparse = _import("jfa.sparse", "jfa")

@@ -797,7 +797,7 @@ def recompute_vs_store(q_lens, kv_lens, heads: int, head_dim: int, *, p_element_
 
 
 BWD_TIMING_PATTERN = "bwd-timing-*.json"
-# The dQ strategies of jfa.kernels.jagged_bwd (its DQ_MODES), labeled for tables and legends.
+# The dQ strategies that bwd-timing files name (their dq_mode columns), labeled for tables and legends.
 DQ_STRATEGY_LABELS = {
     "separate": "jfa, dQ separate kernel (deterministic)",
     "atomic": "jfa, dQ fused: fp32 atomics",
