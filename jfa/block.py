@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from jfa import dispatch, reference, specs
+from jfa import configs, dispatch, reference, specs
 from jfa.jagged import OFFSET_DTYPES, check_jagged_tensors
 from jfa.kernels import rotary
 from jfa.kernels.tiles import num_sms, persistent_programs
@@ -129,7 +129,7 @@ def block_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
         return out
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     blocks, programs = _block_table_and_programs(q, offsets, heads_q)
-    block_attn.launch_forward(q, k, v, out, blocks, block_attn.forward_config(head_dim, heads_q // k.shape[1]),
+    block_attn.launch_forward(q, k, v, out, blocks, configs.block_attention_forward(head_dim, heads_q // k.shape[1]),
                               programs=programs)
     return out
 
@@ -141,7 +141,7 @@ def _launch_backward(q, k, v, offsets, dout, dq, dk, dv, sinu_pos=None):
     heads_kv = k.shape[1]
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     blocks, programs = _block_table_and_programs(q, offsets, heads_kv)
-    config = block_attn.backward_config(head_dim, heads_q // heads_kv, rotary=sinu_pos is not None)
+    config = configs.block_attention_backward(head_dim, heads_q // heads_kv, rotary=sinu_pos is not None)
     block_attn.launch_backward(q, k, v, dout, dq, dk, dv, blocks, config, programs=programs, sinu_pos=sinu_pos)
 
 

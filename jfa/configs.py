@@ -1,11 +1,14 @@
 """Every configuration choice of the jagged attention kernels, made in one place: `select`.
 
 A call's `Shape` (what the host knows without a GPU sync: sizes, flags, bounds) decides, for each
-kernel of the call, its compile-time configuration: the forward's (`fwd_sm90.ForwardConfig`), the
+jagged kernel of the call, its compile-time configuration: the forward's (`fwd_sm90.ForwardConfig`), the
 dK/dV kernel's (`bwd_dkdv.DKDVConfig`) and, unless dQ is fused into that one, the dQ kernel's
 (`bwd_dq.DQConfig`). Feature flags (head dim, causal, window, broadcast-Q, the fork) pass straight
 through and multiply; the tunings below are few, and each says in one line what it buys. The
 measurements behind them are in docs/decisions.md.
+
+Block attention's configurations (`block_attention_forward` / `_backward`) follow from the head dim
+and shared memory alone.
 
 `reachable_configs()` enumerates what `select` can return, per kernel, for one dtype.
 """
@@ -17,6 +20,7 @@ import math
 from typing import NamedTuple
 
 from jfa import specs
+from jfa.kernels import block_attn
 from jfa.kernels.bwd_dkdv import DQ_NONE, DQ_RESIDENT, DQ_SPLIT, DKDVConfig
 from jfa.kernels.bwd_dq import DQConfig
 from jfa.kernels.fwd_sm90 import ForwardConfig
@@ -70,6 +74,16 @@ FUSED_KV_BUFFERS = {128: 1, 64: 2}
 # Broadcast-Q with one query block per key head (DQ_RESIDENT): dQ summed in registers, no adds
 # (PMA q=64 1.40x at D=128); K, V and dO of the next tile land a tile ahead.
 RESIDENT = {128: dict(KV_BUFFERS=2, V_BUFFERS=2, Q_BUFFERS=1)}
+
+
+# ---- block attention -------------------------------------------------------------------------------
+# One ring slot holds a unit's Q, K, V (and dO): the deepest ring that fits the shared memory, with the
+# backward's P and dS staging beside it.
+BLOCK_ATTENTION_CONSUMERS = 2
+BLOCK_ATTENTION_SMEM_BYTES = 200 * 1024  # ring and staging within Hopper's 227 KiB, with room for the barriers
+BLOCK_ATTENTION_MAX_RING_DEPTH = 4
+BLOCK_ATTENTION_TILES_PER_SLOT = {"forward": 3, "backward": 4}  # Q, K, V (and dO)
+BLOCK_ATTENTION_STAGING_TILES = 2  # P and dS, [64, 64] per consumer: the A operands of the transposed GEMMs
 
 
 class Shape(NamedTuple):
@@ -194,6 +208,26 @@ def select(shape: Shape) -> Plan:
     strategy = dq_strategy(shape)
     return Plan(forward=forward_config(shape), dkdv=dkdv_config(shape, strategy),
                 dq=dq_config(shape) if strategy == DQ_NONE.value else None)
+
+
+def _block_attention_ring_depth(head_dim: int, tiles_per_slot: int, staging_bytes: int = 0, elem_bytes: int = 2) -> int:
+    slot_bytes = tiles_per_slot * specs.BLOCK_ATTENTION_BLOCK * head_dim * elem_bytes
+    return max(1, min(BLOCK_ATTENTION_MAX_RING_DEPTH, (BLOCK_ATTENTION_SMEM_BYTES - staging_bytes) // slot_bytes))
+
+
+def block_attention_forward(head_dim: int, group: int = 1) -> block_attn.ForwardConfig:
+    """Block attention's forward configuration for one head dim and GQA group."""
+    depth = _block_attention_ring_depth(head_dim, BLOCK_ATTENTION_TILES_PER_SLOT["forward"])
+    return block_attn.ForwardConfig(HEAD_DIM=head_dim, GROUP=group, RING_DEPTH=depth,
+                                    CONSUMERS=BLOCK_ATTENTION_CONSUMERS)
+
+
+def block_attention_backward(head_dim: int, group: int = 1, rotary: bool = False) -> block_attn.BackwardConfig:
+    """Block attention's backward configuration, with or without the rotary epilogue."""
+    staging = BLOCK_ATTENTION_CONSUMERS * BLOCK_ATTENTION_STAGING_TILES * specs.BLOCK_ATTENTION_BLOCK ** 2 * 2
+    depth = _block_attention_ring_depth(head_dim, BLOCK_ATTENTION_TILES_PER_SLOT["backward"], staging)
+    return block_attn.BackwardConfig(HEAD_DIM=head_dim, GROUP=group, RING_DEPTH=depth,
+                                     CONSUMERS=BLOCK_ATTENTION_CONSUMERS, ROTARY=bool(rotary))
 
 
 def reachable_configs() -> dict[str, set]:

@@ -9,21 +9,21 @@ import re
 import pytest
 import torch
 
-from jfa import specs
+from jfa import configs, specs
 from jfa.kernels import block_attn
 from jfa.schedule import build_block_table
 from jfa.workbench.inspect import inspect
 
 CONFIGS = [
-    (block_attn.forward_config(64), torch.bfloat16),
-    (block_attn.forward_config(128), torch.bfloat16),
-    (block_attn.forward_config(64, group=2), torch.float16),
-    (block_attn.forward_config(128, group=4), torch.bfloat16),
-    (block_attn.backward_config(64), torch.bfloat16),
-    (block_attn.backward_config(128), torch.bfloat16),
-    (block_attn.backward_config(64, group=2), torch.float16),
-    (block_attn.backward_config(64, rotary=True), torch.bfloat16),
-    (block_attn.backward_config(128, group=2, rotary=True), torch.bfloat16),
+    (configs.block_attention_forward(64), torch.bfloat16),
+    (configs.block_attention_forward(128), torch.bfloat16),
+    (configs.block_attention_forward(64, group=2), torch.float16),
+    (configs.block_attention_forward(128, group=4), torch.bfloat16),
+    (configs.block_attention_backward(64), torch.bfloat16),
+    (configs.block_attention_backward(128), torch.bfloat16),
+    (configs.block_attention_backward(64, group=2), torch.float16),
+    (configs.block_attention_backward(64, rotary=True), torch.bfloat16),
+    (configs.block_attention_backward(128, group=2, rotary=True), torch.bfloat16),
 ]
 
 
@@ -53,7 +53,7 @@ def test_rotary_epilogue_stays_in_registers(head_dim):
     No fp32 tile changes layout (the only conversions are the bf16 tiles' on their way to the
     masked stores, as without rotary), and nothing spills.
     """
-    report = inspect(block_attn.inspect_spec(block_attn.backward_config(head_dim, rotary=True)), want_ttgir=True)
+    report = inspect(block_attn.inspect_spec(configs.block_attention_backward(head_dim, rotary=True)), want_ttgir=True)
     converted = re.findall(r"ttg\.convert_layout %\S+ : tensor<[\dx]+x(\w+),", report.ttgir)
     assert converted and set(converted) == {"bf16"}
     assert report.spill_bytes == {"stores": 0, "loads": 0}
@@ -78,5 +78,5 @@ def test_block_table_lists_every_block_once(lengths):
 
 def test_ring_depth_fits_shared_memory():
     for head_dim in specs.SUPPORTED_HEAD_DIMS:
-        assert block_attn.forward_config(head_dim).RING_DEPTH >= 2
-        assert block_attn.backward_config(head_dim).RING_DEPTH >= 2
+        assert configs.block_attention_forward(head_dim).RING_DEPTH >= 2
+        assert configs.block_attention_backward(head_dim).RING_DEPTH >= 2

@@ -52,23 +52,14 @@ from jfa.kernels.tma import rows_descriptor
 
 BLOCK: tl.constexpr = tl.constexpr(specs.BLOCK_ATTENTION_BLOCK)
 WARPGROUP_WARPS: tl.constexpr = tl.constexpr(specs.WARPGROUP_WARPS)
-CONSUMERS = 2  # consumer warpgroups per program
 # setmaxnreg budget of a consumer; the producer (TMA issue only) keeps the rest. The backward's dQ
 # epilogue holds dK, dV and dQ, three [64, D] fp32 tiles (192 registers a thread at D=128).
 CONSUMER_REGISTERS: tl.constexpr = tl.constexpr(240)
 # Triton's default. A consumer waits for each wgmma as soon as it is issued, so the software
 # pipeliner has nothing to overlap here (unlike the jagged forward's, launched at 0).
 NUM_STAGES = 3
-SMEM_BUDGET_BYTES = 200 * 1024  # ring and staging within Hopper's 227 KiB, with room for the barriers
-MAX_RING_DEPTH = 4
-
-FWD_TILES_PER_SLOT = 3  # Q, K, V
-BWD_TILES_PER_SLOT = 4  # Q, K, V, dO
-BWD_STAGING_TILES = 2  # P and dS, [64, 64] per consumer: the A operands of the transposed GEMMs
-
-
 class ForwardConfig(NamedTuple):
-    """The forward kernel's compile-time configuration (`forward_config`)."""
+    """The forward kernel's compile-time configuration (chosen by `jfa.configs.block_attention_forward`)."""
 
     HEAD_DIM: int
     GROUP: int  # query heads per key head
@@ -77,33 +68,13 @@ class ForwardConfig(NamedTuple):
 
 
 class BackwardConfig(NamedTuple):
-    """The backward kernel's compile-time configuration (`backward_config`)."""
+    """The backward kernel's compile-time configuration (chosen by `jfa.configs.block_attention_backward`)."""
 
     HEAD_DIM: int
     GROUP: int  # query heads per key head
     RING_DEPTH: int  # ring slots, each one query head's Q, K, V and dO
     CONSUMERS: int  # consumer warpgroups
     ROTARY: bool  # the conjugate rotary epilogue into one dz tensor
-
-
-def _ring_depth(head_dim: int, tiles_per_slot: int, staging_bytes: int = 0, elem_bytes: int = 2) -> int:
-    """Deepest ring of `tiles_per_slot` [64, head_dim] tiles per slot that fits the shared memory."""
-    slot_bytes = tiles_per_slot * specs.BLOCK_ATTENTION_BLOCK * head_dim * elem_bytes
-    return max(1, min(MAX_RING_DEPTH, (SMEM_BUDGET_BYTES - staging_bytes) // slot_bytes))
-
-
-def forward_config(head_dim: int, group: int = 1) -> ForwardConfig:
-    """The forward's configuration for one head dim and GQA group."""
-    return ForwardConfig(HEAD_DIM=head_dim, GROUP=group, RING_DEPTH=_ring_depth(head_dim, FWD_TILES_PER_SLOT),
-                         CONSUMERS=CONSUMERS)
-
-
-def backward_config(head_dim: int, group: int = 1, rotary: bool = False) -> BackwardConfig:
-    """The backward's configuration for one head dim and GQA group, with or without the rotary epilogue."""
-    staging_bytes = CONSUMERS * BWD_STAGING_TILES * specs.BLOCK_ATTENTION_BLOCK ** 2 * 2
-    return BackwardConfig(HEAD_DIM=head_dim, GROUP=group,
-                          RING_DEPTH=_ring_depth(head_dim, BWD_TILES_PER_SLOT, staging_bytes),
-                          CONSUMERS=CONSUMERS, ROTARY=bool(rotary))
 
 
 class BlockRows(NamedTuple):
@@ -222,10 +193,10 @@ def _store_rows(base_ptr, row_stride, col0, rows, row_ok, tile, COLS: tl.constex
 def _block_attn_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, out_row_stride, block_start_ptr, block_rows_ptr,
                            num_blocks_ptr, sm_scale, heads_q, CFG: tl.constexpr):
     HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
-    CONSUMERS: tl.constexpr = CFG.CONSUMERS
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-    num_units = tl.load(num_blocks_ptr) * heads_q
+    unit_start, unit_end, unit_step = tile_loop(tl.load(num_blocks_ptr) * heads_q, False)  # this program's units
+    qk_scale_log2 = sm_scale * LOG2E
 
     # One ring slot per unit: its Q, K and V buffers share the slot's barriers.
     q_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
@@ -236,7 +207,6 @@ def _block_attn_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, out_row_stride, bloc
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: TMA loads, one slot per unit
             loaded = 0
-            unit_start, unit_end, unit_step = tile_loop(num_units, False)
             for unit in range(unit_start, unit_end, unit_step):
                 block = unit // heads_q
                 head = unit % heads_q
@@ -248,14 +218,12 @@ def _block_attn_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, out_row_stride, bloc
                 tlx.async_descriptor_load(desc_v, v_buffers[index], [row0, kv_col], ring.fulls[index])
                 loaded += 1
 
-        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS, replicate=CONSUMERS):
+        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS, replicate=CFG.CONSUMERS):
             consumer = tlx.async_task_replica_id()
-            qk_scale_log2 = sm_scale * LOG2E
             offs_m = tl.arange(0, BLOCK)
-            # this consumer's k-th unit is the program's (consumer + k*CONSUMERS)-th
+            # this consumer's k-th unit is the program's (consumer + k*CFG.CONSUMERS)-th
             seen = consumer
-            unit_start, unit_end, unit_step = tile_loop(num_units, False)
-            for unit in range(unit_start + consumer * unit_step, unit_end, unit_step * CONSUMERS):
+            for unit in range(unit_start + consumer * unit_step, unit_end, unit_step * CFG.CONSUMERS):
                 block = unit // heads_q
                 head = unit % heads_q
                 row0 = tl.load(block_start_ptr + block)
@@ -272,7 +240,7 @@ def _block_attn_fwd_kernel(desc_q, desc_k, desc_v, out_ptr, out_row_stride, bloc
                 out = acc / row_sum[:, None]
                 _store_rows(out_ptr, out_row_stride, head * HEAD_DIM, row0 + offs_m, offs_m < real_rows,
                             out.to(dtype), HEAD_DIM)
-                seen += CONSUMERS
+                seen += CFG.CONSUMERS
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -283,10 +251,10 @@ def _block_attn_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr, dv_p
                            heads_kv, CFG: tl.constexpr):
     HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
     GROUP: tl.constexpr = CFG.GROUP
-    CONSUMERS: tl.constexpr = CFG.CONSUMERS
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-    num_units = tl.load(num_blocks_ptr) * heads_kv
+    unit_start, unit_end, unit_step = tile_loop(tl.load(num_blocks_ptr) * heads_kv, False)  # this program's units
+    qk_scale_log2 = sm_scale * LOG2E
     angles = Angles(sinu_ptr, sinu_row_stride)
 
     # One ring slot per (unit, query head of the group): its Q, K, V and dO share the slot's barriers.
@@ -296,14 +264,13 @@ def _block_attn_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr, dv_p
     do_buffers = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, CFG.RING_DEPTH)
     # P and dS go through shared memory because dV = P^T dO and dK = dS^T Q need them transposed,
     # which wgmma reads directly from shared memory
-    p_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, CONSUMERS)
-    ds_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, CONSUMERS)
+    p_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, CFG.CONSUMERS)
+    ds_stage = tlx.local_alloc((BLOCK, BLOCK), dtype, CFG.CONSUMERS)
     ring = make_ring(q_buffers, CFG.RING_DEPTH)
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: one slot per (unit, query head of the group)
             loaded = 0
-            unit_start, unit_end, unit_step = tile_loop(num_units, False)
             for unit in range(unit_start, unit_end, unit_step):
                 block = unit // heads_kv
                 kv_head = unit % heads_kv
@@ -317,15 +284,13 @@ def _block_attn_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr, dv_p
                     tlx.async_descriptor_load(desc_do, do_buffers[index], [row0, q_col], ring.fulls[index])
                     loaded += 1
 
-        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS, replicate=CONSUMERS):
+        with tlx.async_task(num_warps=WARPGROUP_WARPS, registers=CONSUMER_REGISTERS, replicate=CFG.CONSUMERS):
             consumer = tlx.async_task_replica_id()
-            qk_scale_log2 = sm_scale * LOG2E
             offs_m = tl.arange(0, BLOCK)
             p_tile = p_stage[consumer]
             ds_tile = ds_stage[consumer]
             seen = consumer * GROUP
-            unit_start, unit_end, unit_step = tile_loop(num_units, False)
-            for unit in range(unit_start + consumer * unit_step, unit_end, unit_step * CONSUMERS):
+            for unit in range(unit_start + consumer * unit_step, unit_end, unit_step * CFG.CONSUMERS):
                 block = unit // heads_kv
                 kv_head = unit % heads_kv
                 rows = BlockRows(tl.load(block_start_ptr + block), tl.load(block_rows_ptr + block))
@@ -362,7 +327,7 @@ def _block_attn_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr, dv_p
 
                 _store_grads(dk_ptr, dv_ptr, dkv_row_stride, kv_head * HEAD_DIM, rows, dk * sm_scale, dv, angles,
                              CFG)
-                seen += CONSUMERS * GROUP
+                seen += CFG.CONSUMERS * GROUP
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -413,11 +378,10 @@ def launch_backward(q, k, v, dout, dq, dk, dv, blocks, config: BackwardConfig, *
 
 # ---- compile-only inspection ------------------------------------------------------------------
 
-def inspect_spec(config: ForwardConfig | BackwardConfig = forward_config(128),
-                 dtype: torch.dtype = torch.bfloat16) -> KernelSpec:
+def inspect_spec(config: ForwardConfig | BackwardConfig, dtype: torch.dtype = torch.bfloat16) -> KernelSpec:
     """Compile-only description of one configuration (no GPU needed): `jfa.workbench.inspect`.
 
-    A ForwardConfig describes the forward kernel, a BackwardConfig the backward.
+    A ForwardConfig describes the forward kernel, a BackwardConfig the backward (`jfa.configs` makes both).
     """
     if not isinstance(config, (ForwardConfig, BackwardConfig)):
         raise TypeError(f"config must be a ForwardConfig or a BackwardConfig, got {type(config).__name__}")

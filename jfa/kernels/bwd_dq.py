@@ -23,12 +23,12 @@ import triton.language.extra.tlx as tlx
 
 from jfa import specs
 from jfa.kernels.epilogue import store_rows
-from jfa.kernels.hooks import (DEFAULT_FORK, backward_probabilities, first_visible_key_tile, key_tile_in_view,
+from jfa.kernels.hooks import (DEFAULT_FORK, backward_probabilities, key_tiles_to_take, key_tile_in_view,
                                score_gradient)
 from jfa.kernels.launch import CachedLaunch
 from jfa.kernels.pingpong import pingpong_enter, pingpong_exit, pingpong_start
 from jfa.kernels.producers import load_key_tiles, load_query_rows
-from jfa.kernels.ring import leading_rows, make_ring, ring_index, ring_release, ring_wait
+from jfa.kernels.ring import leading_rows, make_key_value_rings, make_ring, ring_index, ring_release, ring_wait
 from jfa.kernels.softmax import lse_delta_rows
 from jfa.kernels.spec import TRITON_DTYPE_NAMES, KernelSpec
 from jfa.kernels.tiles import ROWS_PER_CONSUMER, Problem, consumer_rows, loop_segment, query_tile_at, tile_loop
@@ -123,20 +123,19 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
     problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_q_heads, q_blocks_per_seq,
                       broadcast_q_len, window, gqa_group, params)
     num_tiles = num_entries * (num_q_heads // CFG.HEADS_PER_TILE)
+    loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)  # this program's tiles, both roles
 
     q_buffers = tlx.local_alloc((ROWS, HEAD_DIM), dtype, CFG.Q_BUFFERS * CONSUMERS)
     do_buffers = tlx.local_alloc((ROWS, HEAD_DIM), dtype, CFG.Q_BUFFERS * CONSUMERS)  # beside Q, on its barriers
     k_buffers = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, CFG.KV_BUFFERS * CFG.HEADS_PER_TILE)
     v_buffers = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, CFG.KV_BUFFERS * CFG.HEADS_PER_TILE)
     q_ring = make_ring(q_buffers, CFG.Q_BUFFERS, CONSUMERS)
-    k_ring = make_ring(k_buffers, CFG.KV_BUFFERS, CFG.HEADS_PER_TILE, KV_READERS)
-    v_ring = make_ring(v_buffers, CFG.KV_BUFFERS, CFG.HEADS_PER_TILE, KV_READERS)
+    k_ring, v_ring = make_key_value_rings(k_buffers, v_buffers, CFG.KV_BUFFERS, CFG.HEADS_PER_TILE, KV_READERS)
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: TMA loads only
             kv_count = 0
             q_loads = 0
-            loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
                 tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, False)
                 if tile.num_kv_tiles > 0:
@@ -153,12 +152,10 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
             pingpong_start(cid, CONSUMERS)
             kv_count = 0
             q_loads = 0
-            loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
                 tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, False)
                 first_row, rows, head = consumer_rows(tile, cid, PAIRED, ROWS)
-                num_steps = tile.num_kv_tiles - tile.half_tail  # key tiles taken whole
-                first = first_visible_key_tile(tile, num_steps, problem, BLOCK_M, BLOCK_N, FORK)
+                num_steps, first = key_tiles_to_take(tile, problem, BLOCK_M, BLOCK_N, FORK)
                 if first < tile.num_kv_tiles:
                     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
                     lse_log2, delta = lse_delta_rows(lse_ptr, delta_ptr, head, tile.out_row0, first_row, tile.q_len,

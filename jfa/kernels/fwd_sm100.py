@@ -97,6 +97,7 @@ def _fwd_sm100_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, k
     problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_q_heads, q_blocks_per_seq,
                       broadcast_q_len, window, gqa_group, None)
     num_tiles = num_entries * num_q_heads
+    loop_start, loop_end, loop_step = tile_loop(num_tiles, False)  # this program's tiles, every role
 
     q_buffers = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, Q_BUFFERS)
     k_buffers = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, CFG.KV_BUFFERS)
@@ -116,7 +117,6 @@ def _fwd_sm100_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, k
     with tlx.async_tasks():
         with tlx.async_task("default"):  # softmax, correction and epilogue: one thread per row
             kv_count = 0
-            loop_start, loop_end, loop_step = tile_loop(num_tiles, False)
             for step in range(loop_start, loop_end, loop_step):
                 tile = _tile(step, problem, CFG, FORK)
                 rows = tile.row_lo + tl.arange(0, BLOCK_M)
@@ -153,7 +153,6 @@ def _fwd_sm100_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, k
             kv_count = 0
             q_count = 0
             tiles_done = 0
-            loop_start, loop_end, loop_step = tile_loop(num_tiles, False)
             for step in range(loop_start, loop_end, loop_step):
                 tile = _tile(step, problem, CFG, FORK)
                 if tile.num_kv_tiles > 0:
@@ -181,7 +180,6 @@ def _fwd_sm100_kernel(desc_q, desc_k, desc_v, out_ptr, lse_ptr, q_offsets_ptr, k
         with tlx.async_task(num_warps=1, registers=SINGLE_WARP_REGISTERS):  # TMA loads
             kv_count = 0
             q_count = 0
-            loop_start, loop_end, loop_step = tile_loop(num_tiles, False)
             for step in range(loop_start, loop_end, loop_step):
                 tile = _tile(step, problem, CFG, FORK)
                 if tile.num_kv_tiles > 0:

@@ -34,11 +34,11 @@ import triton.language.extra.tlx as tlx
 
 from jfa import specs
 from jfa.kernels.epilogue import store_output, store_rows
-from jfa.kernels.hooks import DEFAULT_FORK, first_visible_key_tile, key_tile_in_view, softmax_scores
+from jfa.kernels.hooks import DEFAULT_FORK, key_tiles_to_take, key_tile_in_view, softmax_scores
 from jfa.kernels.launch import CachedLaunch
 from jfa.kernels.pingpong import pingpong_enter, pingpong_exit, pingpong_start
 from jfa.kernels.producers import load_key_tiles, load_query_rows
-from jfa.kernels.ring import leading_rows, make_ring, ring_index, ring_release, ring_wait
+from jfa.kernels.ring import leading_rows, make_key_value_rings, make_ring, ring_index, ring_release, ring_wait
 from jfa.kernels.softmax import finalize_rows, online_softmax_step
 from jfa.kernels.spec import TRITON_DTYPE_NAMES, KernelSpec
 from jfa.kernels.tiles import (ROWS_PER_CONSUMER, Problem, consumer_rows, loop_segment, query_tile_at, sm_major,
@@ -85,7 +85,7 @@ def _attend_key_tile(q_tile, k_ring, v_ring, p, acc, m_i, l_i, count, col, rows,
     pingpong_enter(cid)
     qk = tlx.async_dot(q_tile, tlx.local_trans(leading_rows(k_ring.buffers[k_index], KEYS)))
     # the previous tile is whole: only the last one can be a half tile
-    acc = FORK.pv(p, _value_operand(v_ring.buffers[v_index], CFG.BLOCK_N, CFG, FORK), acc)
+    acc = FORK.pv(p, FORK.value_operand(v_ring.buffers[v_index], CFG.BLOCK_N), acc)
     pingpong_exit(cid, CONSUMERS)
 
     qk = tlx.async_dot_wait(1, qk)
@@ -115,20 +115,10 @@ def _scores(qk, rows, col, KEYS: tl.constexpr, tile, head, problem, qk_scale_log
 
 
 @triton.jit
-def _value_operand(buffer, KEYS: tl.constexpr, CFG: tl.constexpr, FORK: tl.constexpr):
-    """P·V's B operand from a V buffer: its first KEYS keys, or the fork's view of its layout."""
-    if FORK.value_shape(CFG.BLOCK_N, CFG.HEAD_DIM)[0] == CFG.BLOCK_N:
-        values = leading_rows(buffer, KEYS)
-    else:  # keys along the columns (FP8 wgmma reads B only K-major)
-        values = tlx.local_trans(buffer)
-    return values
-
-
-@triton.jit
 def _drain(p, acc, v_ring, count, LANE: tl.constexpr, KEYS: tl.constexpr, CFG: tl.constexpr, FORK: tl.constexpr):
     """The last key tile's P·V (its first KEYS keys), which no later Q·K^T hides."""
     v_index = ring_wait(v_ring, count - 1, LANE)
-    acc = FORK.pv(p, _value_operand(v_ring.buffers[v_index], KEYS, CFG, FORK), acc)
+    acc = FORK.pv(p, FORK.value_operand(v_ring.buffers[v_index], KEYS), acc)
     acc = tlx.async_dot_wait(0, acc)
     ring_release(v_ring, v_index)
     return acc
@@ -165,6 +155,7 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
     problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_q_heads, q_blocks_per_seq,
                       broadcast_q_len, window, gqa_group, params)
     num_tiles = num_entries * (num_q_heads // CFG.HEADS_PER_TILE)
+    loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)  # this program's tiles, both roles
 
     q_buffers = tlx.local_alloc((ROWS, HEAD_DIM), dtype, Q_SLOTS * CONSUMERS)
     if OWN_STAGE:
@@ -174,15 +165,13 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
     k_buffers = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, CFG.KV_BUFFERS * CFG.HEADS_PER_TILE)
     v_buffers = tlx.local_alloc(FORK.value_shape(BLOCK_N, HEAD_DIM), dtype, CFG.KV_BUFFERS * CFG.HEADS_PER_TILE)
     q_ring = make_ring(q_buffers, Q_SLOTS, CONSUMERS)
-    k_ring = make_ring(k_buffers, CFG.KV_BUFFERS, CFG.HEADS_PER_TILE, KV_READERS)
-    v_ring = make_ring(v_buffers, CFG.KV_BUFFERS, CFG.HEADS_PER_TILE, KV_READERS)
+    k_ring, v_ring = make_key_value_rings(k_buffers, v_buffers, CFG.KV_BUFFERS, CFG.HEADS_PER_TILE, KV_READERS)
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: TMA loads only
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
                 tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, REUSE_Q)
                 if tile.num_kv_tiles > 0:
@@ -202,12 +191,10 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
             kv_count = 0
             q_loads = 0
             loaded_q_key = -1
-            loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)
             for step in range(loop_start, loop_end, loop_step):
                 tile = query_tile_at(step, problem, CFG, FORK, BLOCK_M, REUSE_Q)
                 first_row, rows, head = consumer_rows(tile, cid, PAIRED, ROWS)
-                num_steps = tile.num_kv_tiles - tile.half_tail  # key tiles taken whole
-                first = first_visible_key_tile(tile, num_steps, problem, BLOCK_M, BLOCK_N, FORK)
+                num_steps, first = key_tiles_to_take(tile, problem, BLOCK_M, BLOCK_N, FORK)
                 if first < tile.num_kv_tiles:
                     m_i = tl.full([ROWS], float("-inf"), tl.float32)
                     l_i = tl.zeros([ROWS], tl.float32)

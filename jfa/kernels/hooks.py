@@ -25,6 +25,7 @@ positions shaped to broadcast against them, so `k_idx - q_idx` is a tile in eith
 operands (FP8 and microscaled forks):
     value_shape(BLOCK_N, HEAD_DIM) -> the shape of a V buffer in shared memory
     load_values(desc, buffer, kv_start, col, seq, kv_col, barrier, KEYS)   the producer's V load
+    value_operand(buffer, KEYS) -> P·V's B operand (the first KEYS keys) from a V buffer
     pv(p, values, acc) -> acc   P·V's wgmma, P still fp32 (the fork quantizes it)
     scale_output(acc, params) -> acc   the accumulator before normalization
 
@@ -57,6 +58,12 @@ def load_value_rows(desc, buffer, kv_start, col, seq, kv_col, barrier, KEYS: tl.
 
 
 @triton.jit
+def leading_value_rows(buffer, KEYS: tl.constexpr):
+    """P·V's B operand from a key-major V buffer: its first KEYS keys."""
+    return leading_rows(buffer, KEYS)
+
+
+@triton.jit
 def pv_wgmma(p, values, acc):
     """acc += P·V by wgmma, P cast to V's dtype in registers (the A operand), V from shared memory."""
     return tlx.async_dot(p.to(values.dtype), values, acc)
@@ -75,6 +82,7 @@ class Fork(NamedTuple):
     block_mask: object = None
     value_shape: object = key_major_values
     load_values: object = load_value_rows
+    value_operand: object = leading_value_rows
     pv: object = pv_wgmma
     scale_output: object = None
 
@@ -156,9 +164,11 @@ def key_tile_in_view(tile, n, params, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def first_visible_key_tile(tile, num_steps, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           FORK: tl.constexpr):
-    """The first key tile the fork's block_mask admits (`num_steps` when none does); 0 without one."""
+def key_tiles_to_take(tile, problem, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FORK: tl.constexpr):
+    """(whole key tiles, the first one to visit) of a query tile: the key tiles taken whole (all but a
+    half last one), and the first the fork's block_mask admits (`num_steps` when none does; 0 without
+    a block mask). The consumers peel that first tile."""
+    num_steps = tile.num_kv_tiles - tile.half_tail
     if FORK.block_mask is None:
         first = 0
     else:
@@ -168,4 +178,4 @@ def first_visible_key_tile(tile, num_steps, problem, BLOCK_M: tl.constexpr, BLOC
             _, visible = key_tile_in_view(tile, n, problem.params, BLOCK_M, BLOCK_N, FORK)
             if visible:
                 first = n
-    return first
+    return num_steps, first

@@ -50,6 +50,12 @@ def make_ring(buffers, DEPTH: tl.constexpr, LANES: tl.constexpr = 1, READERS: tl
 
 
 @triton.jit
+def make_key_value_rings(k_buffers, v_buffers, DEPTH: tl.constexpr, LANES: tl.constexpr, READERS: tl.constexpr):
+    """The K ring and the V ring of a query tile's key stream: as deep and as wide as each other."""
+    return make_ring(k_buffers, DEPTH, LANES, READERS), make_ring(v_buffers, DEPTH, LANES, READERS)
+
+
+@triton.jit
 def ring_slot(count, DEPTH: tl.constexpr):
     """Slot and mbarrier phase of the `count`-th use of a DEPTH-deep ring.
 

@@ -49,12 +49,19 @@ def load_transposed_values(desc, buffer, kv_start, col, seq, kv_col, barrier, KE
 
 
 @triton.jit
+def transposed_value_view(buffer, KEYS: tl.constexpr):
+    """P·V's B operand from a `[D, BLOCK_N]` V^T buffer: its transposed view (FP8 has no half tiles)."""
+    return tlx.local_trans(buffer)
+
+
+@triton.jit
 def scale_by_v(acc, params):
     """V's per-tensor scale, applied once to the accumulator."""
     return acc * params[0]
 
 
-FP8_FORK = Fork(value_shape=key_minor_values, load_values=load_transposed_values, scale_output=scale_by_v)
+FP8_FORK = Fork(value_shape=key_minor_values, load_values=load_transposed_values, value_operand=transposed_value_view,
+                scale_output=scale_by_v)
 
 
 def transposed_value_width(rows: int, num_seqs: int) -> int:
