@@ -238,6 +238,17 @@ def test_kernel_dispatch_plumbing(monkeypatch, window):
                                deterministic=True)]
 
 
+def test_the_kernel_modules_dispatch_asks_define_is_supported():
+    """`why_not_kernel` asks the modules FORWARD_KERNEL and BACKWARD_KERNEL whether they take q. On the
+    CPU every call is answered before that question (the device), so this is where a module without
+    `is_supported` shows up before a GPU run does."""
+    for name in (dispatch.FORWARD_KERNEL, dispatch.BACKWARD_KERNEL):
+        module, why = dispatch.load_kernel_module(name)
+        assert module is not None, why
+        assert callable(getattr(module, "is_supported", None)), f"jfa.kernels.{name} defines no is_supported(q)"
+        assert module.is_supported(torch.empty(1, 1, 64, dtype=torch.bfloat16)) is False  # a CPU tensor
+
+
 def test_backend_reasons():
     assert dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, torch.empty(2, 1, 64)) == \
         "q is on cpu, the TLX kernels need a CUDA (sm_90) GPU"
