@@ -86,7 +86,7 @@ def forward(q, k, v, q_offsets, kv_offsets, max_seq_len_q: int, max_seq_len_kv: 
     desc_v = transposed_value_descriptor(v, head_dim, config.BLOCK_N) if v.ndim == 2 else None
     fwd_sm90.launch(q, k, v, out, lse, q_offsets, kv_offsets, tiles, config, programs=programs,
                     qk_scale_log2=sm_scale * qk_descale * LOG2E.value, window=window, fork=fork.fork,
-                    params=fork.forward_params, desc_v=desc_v)
+                    fork_params=fork.forward_params, desc_v=desc_v)
     return out, lse
 
 
@@ -142,7 +142,7 @@ def backward(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q: int,
         partial_rows = 0
     bwd_dkdv.launch(dout, q, k, v, lse, delta, dk, dv, dq_accum, q_offsets, kv_offsets, key_tiles, config,
                     programs=programs, sm_scale=sm_scale, qk_scale_log2=qk_scale_log2, window=window,
-                    dq_partial_rows=partial_rows, fork=fork.fork, params=fork.key_stationary_params)
+                    dq_partial_rows=partial_rows, fork=fork.fork, fork_params=fork.key_stationary_params)
     if strategy == DQ_RESIDENT.value:
         per_head = dq_accum.view(programs // kv_heads, kv_heads, CONSUMERS.value, config.BLOCK_M, head_dim)
         dq.copy_(per_head[:, :, :, :q.shape[0]].sum((0, 2)).transpose(0, 1))
@@ -165,7 +165,7 @@ def _dq_by_kernel(dout, q, k, v, lse, delta, dq, q_offsets, kv_offsets, shape, s
         target = dq
     bwd_dq.launch(dout, q, k, v, lse, delta, target.flatten(0, 1) if shape.broadcast_q else target, q_offsets,
                   kv_offsets, tiles, config, programs=programs, sm_scale=sm_scale, qk_scale_log2=qk_scale_log2,
-                  window=shape.window, fork=fork.fork, params=fork.forward_params)
+                  window=shape.window, fork=fork.fork, fork_params=fork.forward_params)
     if shape.broadcast_q:
         dq.copy_(target.sum(0))
 

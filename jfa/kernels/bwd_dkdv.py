@@ -44,7 +44,7 @@ from jfa.kernels.pingpong import PINGPONG_BARRIER_FIRST, PINGPONG_THREADS
 from jfa.kernels.ring import make_ring, per_step, ring_slot
 from jfa.kernels.softmax import LOG2E, lse_delta_rows
 from jfa.kernels.spec import TRITON_DTYPE_NAMES, KernelSpec
-from jfa.kernels.tiles import Problem, key_tile, loop_segment
+from jfa.kernels.tiles import Problem, key_tile, loop_segment, sm_major
 from jfa.kernels.tma import rows_descriptor
 
 DQ_NONE: tl.constexpr = tl.constexpr(0)  # dQ comes from `bwd_dq`
@@ -258,7 +258,7 @@ def _load_halves(desc, buffers, slot, empty, phase, full, BYTES: tl.constexpr, r
 def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, dq_accum_ptr, dk_ptr, dv_ptr,
                  q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr, stride_lse_head, stride_delta_head,
                  stride_dq_row, dq_partial_stride, dq_partial_rows, stride_dkv_row, num_q_heads, kv_blocks_per_seq,
-                 broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale, params, CFG: tl.constexpr,
+                 broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale, fork_params, CFG: tl.constexpr,
                  FORK: tl.constexpr):
     HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
     BLOCK_M: tl.constexpr = CFG.BLOCK_M
@@ -273,7 +273,7 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
 
     num_entries = tl.load(num_entries_ptr)
     problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_q_heads, kv_blocks_per_seq,
-                      broadcast_q_len, window, gqa_group, params)
+                      broadcast_q_len, window, gqa_group, fork_params)
     num_kv_heads = num_q_heads // gqa_group
     num_tiles = num_entries * num_kv_heads
     first_tile = tl.program_id(0)
@@ -355,11 +355,11 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
                         for g in range(gqa_group):
                             head = key.kv_head * gqa_group + g
                             cursor, head_blocks = FORK.query_blocks(key.seq, head, key.col0 // BLOCK_N,
-                                                                    key.num_q_blocks, params, BLOCK_M, BLOCK_N)
+                                                                    key.num_q_blocks, fork_params, BLOCK_M, BLOCK_N)
                             for block in range(head_blocks):
                                 row = FORK.query_block_row(block, key.first_row, cursor, BLOCK_M, BLOCK_N)
                                 if block_visible(key.seq, head, row, row + BLOCK_M - 1, key.col0, key.col0 + BLOCK_N - 1,
-                                                 params, FORK):
+                                                 fork_params, FORK):
                                     slot, phase = ring_slot(q_loads, CFG.Q_BUFFERS)
                                     tlx.barrier_wait(q_ring.empties[slot], phase ^ 1)
                                     tlx.barrier_expect_bytes(q_ring.fulls[slot], 2 * Q_BYTES)
@@ -406,7 +406,7 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
                         for g in range(gqa_group):
                             head = key.kv_head * gqa_group + g
                             cursor, head_blocks = FORK.query_blocks(key.seq, head, key.col0 // BLOCK_N,
-                                                                    key.num_q_blocks, params, BLOCK_M, BLOCK_N)
+                                                                    key.num_q_blocks, fork_params, BLOCK_M, BLOCK_N)
                             # Masked blocks, the mask-free bulk, masked blocks (MASK_FREE_BULK; else all masked).
                             BULK: tl.constexpr = CFG.MASK_FREE_BULK and FORK.mask_mod is None
                             bulk_lo, bulk_hi = head_blocks, head_blocks
@@ -428,7 +428,7 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
                                 for block in range(lo, hi):
                                     q_row0 = FORK.query_block_row(block, key.first_row, cursor, BLOCK_M, BLOCK_N)
                                     if block_visible(key.seq, head, q_row0, q_row0 + BLOCK_M - 1, key.col0,
-                                                     key.col0 + BLOCK_N - 1, params, FORK):
+                                                     key.col0 + BLOCK_N - 1, fork_params, FORK):
                                         slot, phase = ring_slot(q_loads, CFG.Q_BUFFERS)
                                         tlx.barrier_wait(q_ring.fulls[slot], phase)
                                         if CFG.Q_BUFFERS == 1:  # a constant slot: its descriptors would be hoisted
@@ -494,6 +494,12 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
 _dkdv_launch = CachedLaunch(_dkdv_kernel)
 
 
+def is_supported(q: torch.Tensor) -> bool:
+    """True when the backward kernels can run q's problem here: a Hopper GPU, bf16/fp16, a kernel head dim."""
+    return (q.is_cuda and sm_major(q.device) == 9 and q.dtype in specs.SUPPORTED_DTYPES
+            and q.shape[-1] in specs.SUPPORTED_HEAD_DIMS)
+
+
 def dq_box_cols(config: DKDVConfig) -> int:
     """Columns of one box of the fp32 dQ accumulator: half of D in the fused modes."""
     return config.HEAD_DIM // CONSUMERS.value
@@ -501,7 +507,7 @@ def dq_box_cols(config: DKDVConfig) -> int:
 
 def launch(dout, q, k, v, lse, delta, dk, dv, dq_accum, q_offsets, kv_offsets, schedule, config: DKDVConfig, *,
            programs: int, sm_scale: float, qk_scale_log2: float, window: int | None, dq_partial_rows: int = 0,
-           fork=DEFAULT_FORK, params=None):
+           fork=DEFAULT_FORK, fork_params=None):
     """Run the dK/dV kernel: dK and dV into `dk`, `dv` (k's dtype), and with fused dQ its fp32 sums into
     `dq_accum` `[copies, rows, Hq, D]` (one copy per program with broadcast-Q: `dq_partial_rows` rows
     each; DQ_RESIDENT: each consumer of each program writes its [BLOCK_M, D] block once, whole).
@@ -518,7 +524,7 @@ def launch(dout, q, k, v, lse, delta, dk, dv, dq_accum, q_offsets, kv_offsets, s
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries, lse.stride(0),
         delta.stride(0), q_heads * config.HEAD_DIM, dq_accum[0].numel() if copies > 1 else 0, dq_partial_rows,
         k.shape[1] * config.HEAD_DIM, q_heads, schedule.kv_blocks_per_seq, q.shape[0] if config.BROADCAST_Q else 0,
-        0 if window is None else window, q_heads // k.shape[1], qk_scale_log2, sm_scale, params,
+        0 if window is None else window, q_heads // k.shape[1], qk_scale_log2, sm_scale, fork_params,
         num_warps=PRODUCER_WARPS, num_stages=num_stages(config), CFG=config, FORK=fork)
 
 
@@ -536,10 +542,10 @@ def inspect_spec(config: DKDVConfig, dtype: torch.dtype = torch.bfloat16, fork=D
                      stride_lse_head="i32", stride_delta_head="i32", stride_dq_row="i32", dq_partial_stride="i64",
                      dq_partial_rows="i32", stride_dkv_row="i32", num_q_heads="i32", kv_blocks_per_seq="i32",
                      broadcast_q_len="i32", window="i32", gqa_group="i32", qk_scale_log2="fp32", sm_scale="fp32",
-                     params=params_signature or "constexpr", CFG="constexpr", FORK="constexpr")
+                     fork_params=params_signature or "constexpr", CFG="constexpr", FORK="constexpr")
     constexprs = dict(CFG=config, FORK=fork)
     if params_signature is None:
-        constexprs["params"] = None
+        constexprs["fork_params"] = None
     return KernelSpec(fn=_dkdv_kernel, signature=signature, constexprs=constexprs, num_warps=PRODUCER_WARPS,
                       num_stages=num_stages(config), name="jagged_bwd_dkdv", aligned=("stride_dq_row", "stride_dkv_row"),
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")

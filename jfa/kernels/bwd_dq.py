@@ -107,7 +107,7 @@ def _drain(ds, acc, k_ring, count, LANE: tl.constexpr, KEYS: tl.constexpr):
 @triton.jit
 def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr, lse_ptr, delta_ptr, q_offsets_ptr,
                kv_offsets_ptr, tile_entries_ptr, num_entries_ptr, stride_dq_row, stride_lse_head, stride_delta_head,
-               num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale, params,
+               num_q_heads, q_blocks_per_seq, broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale, fork_params,
                CFG: tl.constexpr, FORK: tl.constexpr):
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
     HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
@@ -121,7 +121,7 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
 
     num_entries = tl.load(num_entries_ptr)
     problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_q_heads, q_blocks_per_seq,
-                      broadcast_q_len, window, gqa_group, params)
+                      broadcast_q_len, window, gqa_group, fork_params)
     num_tiles = num_entries * (num_q_heads // CFG.HEADS_PER_TILE)
     loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)  # this program's tiles, both roles
 
@@ -175,7 +175,7 @@ def _dq_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_do, dq_ptr
                     for segment in tl.static_range(3):
                         lo, hi = loop_segment(segment, first + 1, tile.bulk_lo, tile.bulk_hi, num_steps)
                         for n in range(lo, hi):
-                            col, visible = key_tile_in_view(tile, n, params, BLOCK_M, BLOCK_N, FORK)
+                            col, visible = key_tile_in_view(tile, n, fork_params, BLOCK_M, BLOCK_N, FORK)
                             if visible:
                                 ds, acc, kv_count = _dq_step(q_tile, do_tile, k_ring, v_ring, ds, acc, lse_log2, delta,
                                                              kv_count, col, rows, tile, head, problem, qk_scale_log2,
@@ -208,7 +208,7 @@ def tile_rows(config: DQConfig) -> int:
 
 
 def launch(dout, q, k, v, lse, delta, dq, q_offsets, kv_offsets, schedule, config: DQConfig, *, programs: int,
-           sm_scale: float, qk_scale_log2: float, window: int | None, fork=DEFAULT_FORK, params=None):
+           sm_scale: float, qk_scale_log2: float, window: int | None, fork=DEFAULT_FORK, fork_params=None):
     """Run the dQ kernel into `dq`: dQ itself (q's dtype), or with broadcast-Q the fp32 per-sequence
     partials `[num_seqs * q_len, Hq, D]` (sequence b's from row b * q_len, like its output rows).
 
@@ -223,7 +223,7 @@ def launch(dout, q, k, v, lse, delta, dq, q_offsets, kv_offsets, schedule, confi
         rows_descriptor(dout, ROWS_PER_CONSUMER.value), dq, lse, delta, q_offsets, kv_offsets, schedule.entries,
         schedule.num_entries, dq.stride(0), lse.stride(0), delta.stride(0), q_heads, schedule.q_blocks_per_seq,
         q.shape[0] if config.BROADCAST_Q else 0, 0 if window is None else window, q_heads // k.shape[1],
-        qk_scale_log2, sm_scale, params, num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, CFG=config, FORK=fork)
+        qk_scale_log2, sm_scale, fork_params, num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES, CFG=config, FORK=fork)
 
 
 def inspect_spec(config: DQConfig, dtype: torch.dtype = torch.bfloat16, fork=DEFAULT_FORK,
@@ -238,11 +238,11 @@ def inspect_spec(config: DQConfig, dtype: torch.dtype = torch.bfloat16, fork=DEF
                      delta_ptr="*fp32", q_offsets_ptr="*i32", kv_offsets_ptr="*i32", tile_entries_ptr="*i32",
                      num_entries_ptr="*i32", stride_dq_row="i32", stride_lse_head="i32", stride_delta_head="i32",
                      num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32", gqa_group="i32",
-                     qk_scale_log2="fp32", sm_scale="fp32", params=params_signature or "constexpr", CFG="constexpr",
+                     qk_scale_log2="fp32", sm_scale="fp32", fork_params=params_signature or "constexpr", CFG="constexpr",
                      FORK="constexpr")
     constexprs = dict(CFG=config, FORK=fork)
     if params_signature is None:
-        constexprs["params"] = None
+        constexprs["fork_params"] = None
     return KernelSpec(fn=_dq_kernel, signature=signature, constexprs=constexprs, num_warps=PRODUCER_WARPS,
                       num_stages=NUM_STAGES, name="jagged_bwd_dq", aligned=("stride_dq_row",),
                       role_names=("producer", "consumer0", "consumer1"), target="sm_90")

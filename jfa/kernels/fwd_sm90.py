@@ -127,7 +127,7 @@ def _drain(p, acc, v_ring, count, LANE: tl.constexpr, KEYS: tl.constexpr, CFG: t
 @triton.jit
 def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, out_ptr, lse_ptr, q_offsets_ptr,
                     kv_offsets_ptr, tile_entries_ptr, num_entries_ptr, stride_out_row, stride_lse_head, num_q_heads,
-                    q_blocks_per_seq, broadcast_q_len, window, gqa_group, qk_scale_log2, params,
+                    q_blocks_per_seq, broadcast_q_len, window, gqa_group, qk_scale_log2, fork_params,
                     CFG: tl.constexpr, FORK: tl.constexpr):
     ROWS: tl.constexpr = ROWS_PER_CONSUMER
     HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
@@ -153,7 +153,7 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
 
     num_entries = tl.load(num_entries_ptr)
     problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_q_heads, q_blocks_per_seq,
-                      broadcast_q_len, window, gqa_group, params)
+                      broadcast_q_len, window, gqa_group, fork_params)
     num_tiles = num_entries * (num_q_heads // CFG.HEADS_PER_TILE)
     loop_start, loop_end, loop_step = tile_loop(num_tiles, PAIRED)  # this program's tiles, both roles
 
@@ -228,7 +228,7 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
                     for segment in tl.static_range(3):
                         lo, hi = loop_segment(segment, first + 1, tile.bulk_lo, tile.bulk_hi, num_steps)
                         for n in range(lo, hi):
-                            col, visible = key_tile_in_view(tile, n, params, BLOCK_M, BLOCK_N, FORK)
+                            col, visible = key_tile_in_view(tile, n, fork_params, BLOCK_M, BLOCK_N, FORK)
                             if visible:
                                 p, acc, m_i, l_i, kv_count = _attend_key_tile(
                                     q_tile, k_ring, v_ring, p, acc, m_i, l_i, kv_count, col, rows, tile, head, problem,
@@ -247,7 +247,7 @@ def _forward_kernel(desc_q, desc_k, desc_v, desc_k_half, desc_v_half, desc_out, 
                     # Finalize inside the branch: joining the wgmma accumulator with a zero tile
                     # would make the compiler convert fp32 accumulators through shared memory.
                     if FORK.scale_output is not None:
-                        acc = FORK.scale_output(acc, params)
+                        acc = FORK.scale_output(acc, fork_params)
                     out, lse = finalize_rows(acc, m_i, l_i, out_dtype)
                     if OWN_STAGE:
                         stage = out_stages[cid]
@@ -281,7 +281,7 @@ def tile_rows(config: ForwardConfig) -> int:
 
 
 def launch(q, k, v, out, lse, q_offsets, kv_offsets, schedule, config: ForwardConfig, *, programs: int,
-           qk_scale_log2: float, window: int | None, fork=DEFAULT_FORK, params=None, desc_v=None):
+           qk_scale_log2: float, window: int | None, fork=DEFAULT_FORK, fork_params=None, desc_v=None):
     """Run the forward kernel into `out` and `lse` (validated inputs, at least one output row and key).
 
     `schedule` is the query-tile list (`jfa.schedule.build_tile_schedule` with `tile_rows(config)`
@@ -298,7 +298,7 @@ def launch(q, k, v, out, lse, q_offsets, kv_offsets, schedule, config: ForwardCo
         rows_descriptor(out, ROWS_PER_CONSUMER.value) if out.dtype == q.dtype else None,
         out, lse, q_offsets, kv_offsets, schedule.entries, schedule.num_entries, out.stride(0), lse.stride(0),
         q_heads, schedule.q_blocks_per_seq, q.shape[0] if config.BROADCAST_Q else 0, 0 if window is None else window,
-        q_heads // k.shape[1], qk_scale_log2, params, num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES,
+        q_heads // k.shape[1], qk_scale_log2, fork_params, num_warps=PRODUCER_WARPS, num_stages=NUM_STAGES,
         CFG=config, FORK=fork)
 
 
@@ -319,10 +319,10 @@ def inspect_spec(config: ForwardConfig, dtype: torch.dtype = torch.bfloat16, for
                      out_ptr=f"*{out_name}", lse_ptr="*fp32", q_offsets_ptr="*i32", kv_offsets_ptr="*i32",
                      tile_entries_ptr="*i32", num_entries_ptr="*i32", stride_out_row="i32", stride_lse_head="i32",
                      num_q_heads="i32", q_blocks_per_seq="i32", broadcast_q_len="i32", window="i32", gqa_group="i32",
-                     qk_scale_log2="fp32", params=params_signature or "constexpr", CFG="constexpr", FORK="constexpr")
+                     qk_scale_log2="fp32", fork_params=params_signature or "constexpr", CFG="constexpr", FORK="constexpr")
     constexprs = dict(CFG=config, FORK=fork)
     if params_signature is None:
-        constexprs["params"] = None
+        constexprs["fork_params"] = None
     if not staged:
         constexprs["desc_out"] = None
     return KernelSpec(fn=_forward_kernel, signature=signature, constexprs=constexprs, num_warps=PRODUCER_WARPS,
