@@ -5,6 +5,7 @@ the same inputs in rotating rounds on one GPU, so clocks and heat treat them ali
 
     python scripts/ab_against_commit.py prepare COMMIT DIR      # here: DIR/jfa_old, that commit's jfa
     python scripts/ab_against_commit.py run OUT.json --old DIR [--suites gem,pma,dense] [--rounds 3]
+    python scripts/ab_against_commit.py warm --old DIR --shard I/N     # compile ahead, one shard of the cases
 
 `prepare` copies COMMIT's `jfa` package from git as `jfa_old`, with its imports and op namespace
 renamed, so both import side by side. `run` times, per case of the suites (jfa.specs.BENCH_SUITES),
@@ -12,6 +13,9 @@ the forward and forward+backward of both through the same thin autograd wrapper 
 entry points (the new `jfa.runner`, the old kernel modules' `jagged_attention_fwd/_bwd`), after
 checking both against the fp32 reference (`jfa.workbench.bench`'s checks). It writes each case's
 times, TFLOP/s and the new/old speedup per pass, with the environment block.
+
+`warm` runs each case's providers once, forward and backward, without timing: shards of it in
+parallel processes fill Triton's compile cache before `run` (compiles are serial within a process).
 
 `--candidate NAME=STRATEGY` adds the new kernels with dQ forced to a bwd_dkdv strategy (DQ_NONE,
 DQ_SPLIT, DQ_RESIDENT) as a third provider, on the cases where it applies (`--candidate-dims`).
@@ -129,6 +133,26 @@ def run(out_path: Path, old_dir: Path, suites: list[str], rounds: int, candidate
     print(json.dumps(report["summary"], indent=1))
 
 
+def warm(old_dir: Path, suites: list[str], candidates: dict, candidate_dims: set, shard: int, shards: int) -> None:
+    """Compile every kernel the `run` of these arguments times: its cases' providers, once each."""
+    sys.path.insert(0, str(old_dir))
+    from jfa import runner, specs
+    from jfa.kernels import bwd_dkdv
+    from jfa.workbench import bench
+
+    build_new, build_old, build_forced = _providers(runner, bwd_dkdv)
+    cases = [case for suite in suites for case in specs.BENCH_SUITES[suite]]
+    for case in cases[shard::shards]:
+        problem = bench.build_problems(case, "cuda")[0]
+        builders = [build_new, build_old] + [build_forced(s) for s in candidates.values()
+                                             if case["head_dim"] in candidate_dims]
+        for builder in builders:
+            run_ = builder(problem)
+            run_.forward().float().sum().backward()
+        bench.clear_grads([problem])
+        print(f"warm: {case['suite']} {case['case']}", flush=True)
+
+
 def _geometric_means(cases: list[dict]) -> dict:
     """Per suite and pass: the geometric mean and the least of new/old (the `speedups` over "old")."""
     logs: dict = {}
@@ -153,15 +177,25 @@ def main(argv=None) -> int:
     go.add_argument("--old", type=Path, required=True, help="the directory `prepare` wrote into")
     go.add_argument("--suites", default="gem,pma,dense")
     go.add_argument("--rounds", type=int, default=3)
-    go.add_argument("--candidate", action="append", default=[], metavar="NAME=STRATEGY",
-                    help="a new-kernel provider with dQ forced to a bwd_dkdv strategy, e.g. split64=DQ_SPLIT")
-    go.add_argument("--candidate-dims", default="64", help="head dims the candidates run on (comma-separated)")
+    hot = commands.add_parser("warm", help="compile one shard of `run`'s kernels ahead")
+    hot.add_argument("--old", type=Path, required=True)
+    hot.add_argument("--suites", default="gem,pma,dense")
+    hot.add_argument("--shard", default="0/1", help="I/N: the I-th of N shards of the cases")
+    for sub in (go, hot):
+        sub.add_argument("--candidate", action="append", default=[], metavar="NAME=STRATEGY",
+                         help="a new-kernel provider with dQ forced to a bwd_dkdv strategy, e.g. split64=DQ_SPLIT")
+        sub.add_argument("--candidate-dims", default="64", help="head dims the candidates run on (comma-separated)")
     args = parser.parse_args(argv)
+    candidates = dict(item.split("=", 1) for item in args.candidate) if args.command != "prepare" else {}
+    if args.command == "warm":
+        shard, shards = (int(x) for x in args.shard.split("/"))
+        warm(args.old, args.suites.split(","), candidates, {int(d) for d in args.candidate_dims.split(",")}, shard,
+             shards)
+        return 0
     if args.command == "prepare":
         args.dest.mkdir(parents=True, exist_ok=True)
         prepare(args.commit, args.dest)
         return 0
-    candidates = dict(item.split("=", 1) for item in args.candidate)
     run(args.out, args.old, args.suites.split(","), args.rounds, candidates,
         {int(d) for d in args.candidate_dims.split(",")})
     return 0
