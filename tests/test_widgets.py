@@ -32,7 +32,7 @@ def test_mbarrier_fresh_barrier_reports_the_opposite_parity_complete():
     assert bar.try_wait(0) and not bar.try_wait(1)
 
 
-@pytest.mark.parametrize("depth,load,compute", [(1, 2, 3), (2, 2, 3), (3, 4, 1), (4, 1, 5), (2, 3, 3)])
+@pytest.mark.parametrize("depth,load,compute", [(1, 2, 3), (2, 2, 3), (3, 4, 1), (4, 1, 5), (2, 3, 3), (4, 6, 1)])
 def test_simulated_ring_respects_the_protocol(depth, load, compute):
     n = 9
     steps = jw.simulate_ring(n, depth, load, compute)
@@ -43,19 +43,55 @@ def test_simulated_ring_respects_the_protocol(depth, load, compute):
         slot, phase = jw.ring_slot(i, depth)
         assert (loads[i].slot, loads[i].parity) == (slot, phase ^ 1)
         assert (computes[i].slot, computes[i].parity) == (slot, phase)
+        assert loads[i].end - loads[i].start == load and computes[i].end - computes[i].start == compute
         assert computes[i].start >= loads[i].end, "consumer read a slot before its data landed"
         if i >= depth:
             assert loads[i].start >= computes[i - depth].end, "producer overwrote a slot still in use"
-    for role in ("producer", "consumer"):  # a role does one thing at a time
-        mine = sorted((s for s in steps if s.role == role), key=lambda s: s.start)
-        assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))
+    issues = [loads[i].start for i in range(n)]
+    assert all(a < b for a, b in zip(issues, issues[1:])), "the producer issues one load per tick, in order"
+    assert jw.loads_in_flight(steps) <= depth
+    consumer = sorted((s for s in steps if s.role == "consumer"), key=lambda s: s.start)
+    assert all(a.end <= b.start for a, b in zip(consumer, consumer[1:])), "the consumer does one thing at a time"
+    waits = sorted((s for s in steps if s.role == "producer" and s.action == "wait"), key=lambda s: s.start)
+    assert all(a.end <= b.start for a, b in zip(waits, waits[1:]))
 
 
-def test_deeper_ring_hides_slow_loads():
-    ticks = [jw.ring_summary(jw.simulate_ring(8, d, load_ticks=4, compute_ticks=2))["ticks"] for d in (1, 2, 3)]
-    assert ticks[0] > ticks[1] >= ticks[2]
-    assert jw.ring_summary(jw.simulate_ring(8, 1, 4, 2)) == {"ticks": 48, "producer_stalled": 14,
-                                                              "consumer_stalled": 32}
+def test_loads_overlap_up_to_the_ring_depth():
+    """The producer does not wait for a load to land before issuing the next: with 3 free slots,
+    3 loads are in flight at once."""
+    steps = jw.simulate_ring(8, 3, load_ticks=4, compute_ticks=2)
+    assert [s.start for s in steps if s.action == "load"][:3] == [0, 1, 2]
+    assert jw.loads_in_flight(steps) == 3
+    assert jw.loads_in_flight(jw.simulate_ring(8, 1, load_ticks=4, compute_ticks=2)) == 1
+
+
+def test_depth_helps_while_loads_are_slower_than_compute_until_the_pipeline_is_full():
+    """Loads of 4 ticks, compute of 2: each slot adds a load in flight, 1 < 2 < 3, until
+    (load + compute) / compute = 3 slots keep the consumer busy; from there on depth buys nothing."""
+    n, load, compute = 8, 4, 2
+    ticks = {d: jw.ring_summary(jw.simulate_ring(n, d, load, compute))["ticks"] for d in (1, 2, 3, 4, 6)}
+    assert ticks[1] > ticks[2] > ticks[3] == ticks[4] == ticks[6] == load + n * compute
+    assert jw.ring_summary(jw.simulate_ring(n, 1, load, compute)) == {"ticks": 48, "producer_stalled": 35,
+                                                                       "consumer_stalled": 32}
+    assert jw.ring_summary(jw.simulate_ring(n, 3, load, compute))["consumer_stalled"] == load  # the first load only
+
+
+def test_compute_bound_ring_needs_two_slots_and_no_more():
+    """Loads of 2 ticks, compute of 3: double buffering hides every load but the first."""
+    n, load, compute = 8, 2, 3
+    ticks = {d: jw.ring_summary(jw.simulate_ring(n, d, load, compute))["ticks"] for d in (1, 2, 3, 4)}
+    assert ticks[1] > ticks[2] == ticks[3] == ticks[4] == load + n * compute
+
+
+@pytest.mark.parametrize("load,compute", [(1, 1), (2, 3), (4, 2), (6, 1), (5, 3)])
+def test_ring_time_never_grows_with_depth_and_is_full_at_load_plus_compute_over_compute(load, compute):
+    n = 10
+    ticks = [jw.ring_summary(jw.simulate_ring(n, d, load, compute))["ticks"] for d in range(1, 10)]
+    assert all(a >= b for a, b in zip(ticks, ticks[1:]))
+    full = -(-(load + compute) // compute)  # ceil: the slots that cover one load and one compute
+    assert ticks[full - 1] == load + n * compute
+    if full > 1:
+        assert ticks[full - 2] > ticks[full - 1], "one slot fewer must be slower"
 
 
 def test_simulate_ring_rejects_non_positive_arguments():
@@ -68,7 +104,8 @@ def test_ring_trace_and_figure_render():
     text = jw.ring_trace_text(steps)
     assert "empty[0] parity 1 passed" in text and "blocked on full[0]" in text
     fig = jw.ring_figure(steps)
-    assert {trace.name for trace in fig.data} == {"load", "compute", "wait"}
+    assert {trace.name for trace in fig.data} == {"load", "compute", "wait", "issue"}
+    assert list(fig.layout.yaxis.categoryarray) == ["consumer", "load, slot 1", "load, slot 0", "producer"]
 
 
 # ---- budget -------------------------------------------------------------------------------------
@@ -194,8 +231,42 @@ def test_summary_without_recording_says_so():
 
 
 # ---- panels -------------------------------------------------------------------------------------
-def test_panel_renders_once_and_again_on_change(capsys):
-    ipywidgets = pytest.importorskip("ipywidgets")
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+@pytest.fixture
+def published(monkeypatch):
+    """What a panel publishes, as a kernel would send it: an IPython shell whose display publisher
+    records every output with its display id and whether it updates an earlier one."""
+    pytest.importorskip("ipywidgets")
+    pio = pytest.importorskip("plotly.io")
+    from IPython.core.displaypub import CapturingDisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # what jw.setup_notebook sets
+    had_shell = InteractiveShell.initialized()
+    shell = InteractiveShell.instance()
+    saved, shell.display_pub = shell.display_pub, CapturingDisplayPublisher()
+    try:
+        yield shell.display_pub.outputs
+    finally:
+        shell.display_pub = saved
+        if not had_shell:
+            InteractiveShell.clear_instance()
+
+
+def _panel_outputs(outputs):
+    """The outputs below the controls: every one must carry the panel's display id."""
+    rendered = [o for o in outputs if WIDGET_VIEW not in o["data"]]
+    ids = {(o["transient"] or {}).get("display_id") for o in rendered}
+    assert None not in ids and len(ids) == 1, f"a render went to an output of its own: {rendered}"
+    return rendered
+
+
+def test_panel_renders_once_and_again_on_change(published):
+    import ipywidgets
+
     slider = ipywidgets.IntSlider(value=2, min=1, max=5)
     calls = []
 
@@ -207,6 +278,43 @@ def test_panel_renders_once_and_again_on_change(capsys):
     slider.value = 4
     assert calls == [2, 4]
     assert refresh().text == "depth 4"
+    rendered = _panel_outputs(published)
+    assert [o["update"] for o in rendered] == [False, True, True]
+    assert [o["data"]["text/plain"] for o in rendered] == ["depth 2", "depth 4", "depth 4"]
+
+
+def test_ring_panel_replaces_its_figure_in_place(published):
+    """Moving the depth slider republishes the chart under the panel's display id; a plotly figure
+    displaying itself would make a new output instead (in JupyterLab: the Log Console)."""
+    refresh = jw.ring_panel()
+    assert any(WIDGET_VIEW in o["data"] for o in published), "the controls were not shown"
+    refresh.controls["depth"].value = 3
+    rendered = _panel_outputs(published)
+    assert [o["update"] for o in rendered] == [False, True]
+    titles = [o["data"][PLOTLY]["layout"]["title"]["text"] for o in rendered]
+    assert titles[0].startswith("depth 2:") and titles[1].startswith("depth 3:")
+
+
+def test_gem_sweep_panel_replaces_its_bars_in_place(published):
+    refresh = jw.gem_sweep_panel(RESULTS)
+    if refresh is None:
+        pytest.skip("no recorded gem benchmark in results/")
+    controls = refresh.controls
+    controls["max_len"].value, controls["pass_"].value = 2048, "bwd"
+    controls["max_len"].value = 256
+    rendered = _panel_outputs(published)
+    assert [o["update"] for o in rendered] == [False, True, True, True]
+    last = rendered[-1]["data"]
+    shown = last[PLOTLY]["layout"]["title"]["text"] if PLOTLY in last else last["text/plain"]
+    assert "L=256" in shown and "bwd" in shown
+
+
+def test_mime_bundle_of_a_figure_is_the_renderers_and_of_text_is_plain(monkeypatch):
+    pio = pytest.importorskip("plotly.io")
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")
+    data, _ = jw.mime_bundle(jw.ring_figure(jw.simulate_ring(3, 2)))
+    assert list(data) == [PLOTLY]
+    assert jw.mime_bundle(jw.Text("x")) == ({"text/plain": "x"}, {})
 
 
 def test_budget_panel_shows_invalid_configurations_instead_of_raising():
@@ -236,10 +344,14 @@ def test_recompute_vs_store_rejects_bad_sizes_by_name(name):
         jw.recompute_vs_store([1], [1], **kwargs)
 
 
-def test_dq_strategy_labels_name_exactly_the_kernels_dq_modes():
-    from jfa.kernels.jagged_bwd import DQ_MODES
-
-    assert set(jw.DQ_STRATEGY_LABELS) == set(DQ_MODES)
+def test_every_recorded_dq_column_has_a_label():
+    """Each `bwd_<strategy>_ms` column of the committed bwd-timing recordings names a labeled strategy."""
+    rec = jw.newest_recorded(jw.BWD_TIMING_PATTERN, RESULTS)
+    assert rec is not None
+    columns = {key for row in rec.doc["rows"] for key in row if key.startswith("bwd_") and key.endswith("_ms")}
+    known = {f"bwd_{mode}_ms" for mode in jw.DQ_STRATEGY_LABELS} | set(jw._FIRST_RUN_DQ_COLUMNS)
+    assert columns and columns <= known, columns - known
+    assert set(jw._FIRST_RUN_DQ_COLUMNS.values()) <= set(jw.DQ_STRATEGY_LABELS)
 
 
 def test_dq_strategy_rows_reads_the_per_mode_columns():

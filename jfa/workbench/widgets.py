@@ -229,10 +229,17 @@ class _MBarrier:
 def simulate_ring(n_tiles: int, depth: int, load_ticks: int = 2, compute_ticks: int = 3) -> list[RingStep]:
     """Run a producer and a consumer over a ring of `depth` slots for `n_tiles` tiles.
 
-    The producer waits on empty[slot] for parity phase ^ 1, loads for `load_ticks`, then arrives on
-    full[slot] (TMA's byte count completing the barrier); the consumer waits on full[slot] for parity
-    phase, computes for `compute_ticks`, then arrives on empty[slot]. Arrivals at a tick are seen by
-    waits at the same tick. Returns every load, compute and stall, ordered by start tick.
+    The producer issues loads as TMA does: it waits on empty[slot] for parity phase ^ 1, starts the
+    copy and moves on, one issue per tick; each load takes `load_ticks` and then arrives on
+    full[slot] (TMA's byte count completing the barrier), so up to `depth` loads are in flight at
+    once, one per free slot. The consumer waits on full[slot] for parity phase, computes for
+    `compute_ticks`, then arrives on empty[slot]. Arrivals at a tick are seen by waits at the same
+    tick. Returns every load, compute and stall, ordered by start tick.
+
+    A tile then costs max(compute_ticks, (load_ticks + compute_ticks) / depth) ticks in the steady
+    state: compute-bound, depth 2 already hides the loads; load-bound, each slot adds a load in
+    flight until depth reaches (load_ticks + compute_ticks) / compute_ticks, where the consumer never
+    waits again after the first tile and deeper rings only cost shared memory.
     """
     for name, value in (("n_tiles", n_tiles), ("depth", depth), ("load_ticks", load_ticks),
                         ("compute_ticks", compute_ticks)):
@@ -240,22 +247,24 @@ def simulate_ring(n_tiles: int, depth: int, load_ticks: int = 2, compute_ticks: 
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     full = [_MBarrier() for _ in range(depth)]
     empty = [_MBarrier() for _ in range(depth)]
+    # The producer is free again one tick after an issue (the copy runs on its own); the consumer
+    # after its compute. `flip` turns a tile's round parity into the parity the role waits for.
     roles = {
-        "producer": dict(next_tile=0, busy_until=0, waiting_since=None, barriers=empty, flip=1,
-                         after=full, ticks=load_ticks, action="load", name="empty"),
-        "consumer": dict(next_tile=0, busy_until=0, waiting_since=None, barriers=full, flip=0,
-                         after=empty, ticks=compute_ticks, action="compute", name="full"),
+        "producer": dict(next_tile=0, free_at=0, waiting_since=None, barriers=empty, flip=1, after=full,
+                         ticks=load_ticks, occupies=1, action="load", name="empty"),
+        "consumer": dict(next_tile=0, free_at=0, waiting_since=None, barriers=full, flip=0, after=empty,
+                         ticks=compute_ticks, occupies=compute_ticks, action="compute", name="full"),
     }
-    in_flight: list[tuple[int, list, int]] = []  # (tick it lands, barriers, slot)
+    arrivals: list[tuple[int, list, int]] = []  # (tick it lands, barriers, slot)
     steps: list[RingStep] = []
     tick = 0
     while any(r["next_tile"] < n_tiles for r in roles.values()):
-        for landing in [f for f in in_flight if f[0] == tick]:
+        for landing in [a for a in arrivals if a[0] == tick]:
             landing[1][landing[2]].arrive()
-            in_flight.remove(landing)
+            arrivals.remove(landing)
         for role_name, role in roles.items():
             i = role["next_tile"]
-            if i >= n_tiles or role["busy_until"] > tick:
+            if i >= n_tiles or role["free_at"] > tick:
                 continue
             slot, phase = ring_slot(i, depth)
             parity = phase ^ role["flip"]
@@ -268,11 +277,17 @@ def simulate_ring(n_tiles: int, depth: int, load_ticks: int = 2, compute_ticks: 
                 steps.append(RingStep(role_name, "wait", i, slot, parity, role["waiting_since"], tick, barrier))
                 role["waiting_since"] = None
             steps.append(RingStep(role_name, role["action"], i, slot, parity, tick, tick + role["ticks"], barrier))
-            in_flight.append((tick + role["ticks"], role["after"], slot))
-            role["busy_until"] = tick + role["ticks"]
+            arrivals.append((tick + role["ticks"], role["after"], slot))
+            role["free_at"] = tick + role["occupies"]
             role["next_tile"] = i + 1
         tick += 1
     return sorted(steps, key=lambda s: (s.start, s.role != "producer"))
+
+
+def loads_in_flight(steps: list[RingStep]) -> int:
+    """The most loads in flight at one tick: what a deeper ring buys when loads are slow."""
+    loads = [s for s in steps if s.action == "load"]
+    return max((sum(1 for s in loads if s.start <= t < s.end) for t in {s.start for s in loads}), default=0)
 
 
 def ring_trace_text(steps: list[RingStep]) -> str:
@@ -299,8 +314,15 @@ ROLE_COLORS = {"load": "#4C78A8", "compute": "#F58518", "wait": "#BBBBBB"}
 
 
 def ring_figure(steps: list[RingStep], title: str = "K/V ring: who works and who waits"):
-    """A Gantt chart of the simulation: one row per role, bars labeled tile/slot/phase."""
+    """A Gantt chart of the simulation: the producer's stalls and issues on top, each slot's load in
+    flight on a row of its own (several overlap: TMA copies run side by side), the consumer below."""
     import plotly.graph_objects as go
+
+    slots = sorted({s.slot for s in steps})
+    rows = ["consumer"] + [f"load, slot {slot}" for slot in reversed(slots)] + ["producer"]  # bottom to top
+
+    def row(s: RingStep) -> str:
+        return f"load, slot {s.slot}" if s.action == "load" else s.role
 
     fig = go.Figure()
     for action, color in ROLE_COLORS.items():
@@ -309,13 +331,18 @@ def ring_figure(steps: list[RingStep], title: str = "K/V ring: who works and who
             continue
         fig.add_trace(go.Bar(
             name=action, orientation="h", marker_color=color,
-            y=[s.role for s in chosen], x=[s.end - s.start for s in chosen], base=[s.start for s in chosen],
-            text=[f"t{s.tile} s{s.slot} p{s.parity}" if action != "wait" else "" for s in chosen],
+            y=[row(s) for s in chosen], x=[s.end - s.start for s in chosen], base=[s.start for s in chosen],
+            text=[f"t{s.tile} p{s.parity}" if action != "wait" else "" for s in chosen],
             textposition="inside", insidetextanchor="middle",
             hovertext=[f"tile {s.tile}, slot {s.slot}, {s.barrier} parity {s.parity}" for s in chosen]))
-    fig.update_layout(barmode="overlay", title=title, xaxis_title="tick", height=260,
-                      yaxis=dict(categoryorder="array", categoryarray=["consumer", "producer"]),
-                      margin=dict(l=80, r=20, t=50, b=40))
+    issues = [s for s in steps if s.action == "load"]
+    fig.add_trace(go.Scatter(
+        name="issue", mode="markers", x=[s.start for s in issues], y=["producer"] * len(issues),
+        marker=dict(symbol="triangle-right", size=10, color=ROLE_COLORS["load"]),
+        hovertext=[f"issues tile {s.tile} into slot {s.slot}" for s in issues]))
+    fig.update_layout(barmode="overlay", title=title, xaxis_title="tick", height=160 + 28 * len(rows),
+                      yaxis=dict(categoryorder="array", categoryarray=rows),
+                      margin=dict(l=100, r=20, t=50, b=40))
     return fig
 
 
@@ -444,13 +471,34 @@ def budget_text(lines: list[BudgetLine]) -> str:
 
 
 # ==== the panel wrapper =========================================================================
+def mime_bundle(obj) -> tuple[dict, dict]:
+    """(data, metadata) of `obj` as IPython would display it, without letting it display itself.
+
+    A plotly figure (and anything else with an `_ipython_display_`) shows itself through a new
+    output of its own: from a widget's callback that output has no cell to go to and JupyterLab puts
+    it in the Log Console. Its mime bundle, published under the panel's display id, replaces the
+    panel's output instead."""
+    if hasattr(obj, "_repr_mimebundle_"):
+        bundle = obj._repr_mimebundle_()
+        data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
+        return dict(data), dict(metadata or {})
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:  # plain Python (a test): the text is all there is
+        return {"text/plain": repr(obj)}, {}
+    data, metadata = shell.display_formatter.format(obj)
+    return data or {"text/plain": repr(obj)}, metadata
+
+
 def panel(controls: dict, render: Callable[..., object]) -> Callable[[], object]:
     """Show `controls` (name -> ipywidget) and `render(**values)` below them, re-rendered in place.
 
-    The first render is displayed directly (a display with an id), so a headless execution stores
-    it as a static output; in JupyterLab each change of a control updates that same output. Returns
-    a function that re-renders with the controls' current values (what a test can call).
-    """
+    The first render is one output with a display id, so a headless execution stores it as a static
+    output; in JupyterLab each change of a control replaces that same output with the new render
+    (a figure is published as its mime bundle, `mime_bundle`, so it lands in the panel, never in a
+    new output). Returns a function that re-renders with the controls' current values (what a test
+    can call), its `controls` the controls by name."""
     import ipywidgets
     from IPython.display import DisplayHandle, display
 
@@ -459,15 +507,18 @@ def panel(controls: dict, render: Callable[..., object]) -> Callable[[], object]
 
     display(ipywidgets.HBox(list(controls.values()), layout=ipywidgets.Layout(flex_flow="row wrap")))
     handle = DisplayHandle()
-    handle.display(render(**values()))
+    data, metadata = mime_bundle(render(**values()))
+    handle.display(data, metadata=metadata, raw=True)
 
     def refresh(_change=None):
         result = render(**values())
-        handle.update(result)
+        data, metadata = mime_bundle(result)
+        handle.update(data, metadata=metadata, raw=True)
         return result
 
     for widget in controls.values():
         widget.observe(refresh, names="value")
+    refresh.controls = controls
     return refresh
 
 
