@@ -97,6 +97,27 @@ def test_figures_from_the_stored_run(fake_run):
     assert set(plots.speedups(rows, suite="gem", pass_="fwd")) == {"fa2", "fa4"}
 
 
+def test_no_default_title_is_cut(fake_run):
+    """At plotly's default width (narrower than a JupyterLab cell) every default title fits."""
+    rows = fake_run["rows"]
+    suites = {r["suite"] for r in rows}
+    figures = [fn(rows, suite=suite, pass_=pass_) for fn in (plots.tflops_bar, plots.speedup_bar, plots.roofline)
+               for suite in suites for pass_ in ("fwd", "bwd")]
+    figures += [plots.warp_timeline([("load", 0, 1)]), plots.ring_depth_sweep([("fwd", 2, 1.0)]),
+                plots.tile_cost([dict(case="kv=128", jfa_tflops=1.0)]), plots.clock_probe([])]
+    for fig in figures:
+        assert plots.overflowing_titles(fig) == [], fig.layout.title.text
+
+
+def test_overflowing_titles_finds_a_long_title_and_crowded_subplot_titles():
+    from plotly.subplots import make_subplots
+
+    assert plots.overflowing_titles(plots.tflops_bar(ROWS, title="x" * 80)) == ["x" * 80]
+    crowded = make_subplots(rows=1, cols=3, subplot_titles=["a name of thirty-five characters ok"] * 3)
+    assert len(plots.overflowing_titles(crowded)) == 3
+    assert plots.overflowing_titles(make_subplots(rows=1, cols=3, subplot_titles=["short"] * 3)) == []
+
+
 # ---- the HTML report ----------------------------------------------------------------------------------
 def test_report_page_from_the_stored_run(tmp_path, fake_run):
     out = tmp_path / "report.html"

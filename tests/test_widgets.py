@@ -380,6 +380,27 @@ def test_the_committed_bwd_timing_recording_is_labeled():
     assert jw.dq_strategy_rows(rec.doc), "no timing rows in the recording"
 
 
+def test_schedule_figure_titles_fit_their_columns():
+    from jfa.workbench.plots import overflowing_titles
+
+    dealt = {name: jw.deal_tiles(list(range(100, 0, -1)), 12, zigzag="zigzag" in name)
+             for name in ("sequence order", "scheduler order", "scheduler order, zigzag")}
+    fig = jw.schedule_figure(dealt)
+    assert len(fig.layout.annotations) == 3 and overflowing_titles(fig) == []
+
+
+def test_panel_figures_titles_fit(published):
+    from jfa.workbench.plots import overflowing_titles
+
+    ring = jw.ring_panel()
+    for name, value in (("depth", 6), ("load_ticks", 6), ("compute_ticks", 1), ("depth", 1)):
+        ring.controls[name].value = value
+        assert overflowing_titles(ring()) == []
+    gem = jw.gem_sweep_panel(RESULTS)
+    if gem is not None:
+        assert overflowing_titles(gem()) == []
+
+
 def test_deal_tiles_strided_or_zigzag_like_the_forward_kernel():
     """Strided: program p takes every P-th tile. Zigzag: turn 0 left to right, turn 1 right to left."""
     assert jw.deal_tiles([6, 5, 4, 3, 2, 1, 0], 3) == [[6, 3, 0], [5, 2], [4, 1]]

@@ -6,6 +6,7 @@ Every function takes plain data (rows of a results JSON, or small record lists) 
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable, Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -195,3 +196,42 @@ def clock_probe(rows: Iterable[Mapping], *, title: str = "Same kernel, same inpu
                     customdata=[[r["i"], r.get("power_w_mean")] for r in sampled],
                     hovertemplate="timing %{customdata[0]}<br>%{x} MHz, %{customdata[1]} W<br>%{y:.3f} ms<extra></extra>")
     return _finish(fig, title, xaxis_title="mean SM clock during the timing (MHz)", yaxis_title="ms (do_bench median)")
+
+
+# A notebook cell in JupyterLab is wider than plotly's default width, a report's column about as wide.
+MIN_FIGURE_WIDTH = 700
+CHAR_WIDTH_EM = 0.6  # the mean width of a character of plotly's default font, in font sizes
+TITLE_FONT_SIZE = 17  # plotly's defaults, where a figure sets none
+ANNOTATION_FONT_SIZE = 12
+
+
+def _text_width(text: str, size: float) -> float:
+    return max(len(re.sub(r"<[^>]+>", "", line)) for line in re.split(r"<br\s*/?>", text)) * size * CHAR_WIDTH_EM
+
+
+def overflowing_titles(fig: go.Figure, width: int = MIN_FIGURE_WIDTH) -> list[str]:
+    """The title and subplot titles of `fig` that would be cut at the figure's edge, or run into
+    their neighbour, at `width` pixels (an estimate from the characters' count: plotly lays text
+    out in the browser)."""
+    layout = fig.layout
+    width = layout.width or width
+    margin_l = layout.margin.l if layout.margin.l is not None else 80
+    margin_r = layout.margin.r if layout.margin.r is not None else 80
+    plot_width = width - margin_l - margin_r
+    cut = []
+    title = layout.title.text or ""
+    if title and _text_width(title, layout.title.font.size or TITLE_FONT_SIZE) > 0.95 * width:
+        cut.append(title)
+    centered = sorted((a for a in layout.annotations if a.xref == "paper" and a.xanchor == "center" and a.text),
+                      key=lambda a: a.x)
+    halves = [_text_width(a.text, (a.font.size if a.font and a.font.size else ANNOTATION_FONT_SIZE)) / 2
+              for a in centered]
+    for i, (a, half) in enumerate(zip(centered, halves)):
+        room = min(a.x * plot_width + margin_l, (1 - a.x) * plot_width + margin_r)
+        if i + 1 < len(centered):
+            room = min(room, (centered[i + 1].x - a.x) * plot_width - halves[i + 1])
+        if i > 0:
+            room = min(room, (a.x - centered[i - 1].x) * plot_width - halves[i - 1])
+        if half > room:
+            cut.append(a.text)
+    return cut

@@ -739,20 +739,25 @@ def deal_tiles(work: list[int], n_programs: int, zigzag: bool = False) -> list[l
     return dealt
 
 
+SUBPLOT_TITLE_SIZE = 13
+
+
 def schedule_figure(dealt: dict[str, list[list[int]]]):
     """One panel per ordering: stacked bars of the work each program drew; the tallest bar is the time."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    # Two short lines per title: one line of three names is wider than its column at notebook widths.
     fig = make_subplots(rows=1, cols=len(dealt), shared_yaxes=True,
-                        subplot_titles=[f"{name}: longest program {max(map(sum, per))}" for name, per in dealt.items()])
+                        subplot_titles=[f"{name}<br>longest program {max(map(sum, per))}" for name, per in dealt.items()])
+    fig.update_annotations(font_size=SUBPLOT_TITLE_SIZE)
     for col, per_program in enumerate(dealt.values(), start=1):
         depth = max(map(len, per_program))
         for k in range(depth):  # k-th tile drawn by every program, stacked
             fig.add_trace(go.Bar(x=list(range(len(per_program))),
                                  y=[tiles[k] if k < len(tiles) else 0 for tiles in per_program],
                                  showlegend=False, marker_line_width=0.5, marker_line_color="white"), row=1, col=col)
-    fig.update_layout(barmode="stack", height=320, margin=dict(l=50, r=20, t=50, b=40),
+    fig.update_layout(barmode="stack", height=340, margin=dict(l=50, r=20, t=70, b=40),
                       yaxis_title="KV tiles visited")
     fig.update_xaxes(title_text="program (SM)")
     return fig
