@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import sys
 import warnings
 
 import torch
@@ -38,11 +40,25 @@ class ReferenceFallbackWarning(UserWarning):
 _warned_reasons: set[str] = set()
 
 
+# Frames in these folders are the library's, not the user's: the warning names the first frame
+# outside them (an entry point's caller; for a backward, the line that called `.backward()`).
+_INTERNAL_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__))
+
+
+def _callers_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside jfa and torch, counted from warn_fallback's caller."""
+    frame, level = sys._getframe(2), 2  # 1: warn_fallback itself, 2: its caller
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
 def warn_fallback(reason: str) -> None:
-    """Say that the reference runs and why, once per reason (the entry point's caller is named)."""
+    """Say that the reference runs and why, once per reason, at the user's line that called jfa."""
     if reason not in _warned_reasons:
         _warned_reasons.add(reason)
-        warnings.warn(f"jfa: running the PyTorch reference: {reason}", ReferenceFallbackWarning, stacklevel=3)
+        warnings.warn(f"jfa: running the PyTorch reference: {reason}", ReferenceFallbackWarning,
+                      stacklevel=_callers_stacklevel())
 
 
 @functools.cache
