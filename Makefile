@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 # python3 already has a CUDA torch >= 2.11 keeps it (the venv then sees the system site packages).
 TORCH_SPEC ?= torch==2.13.0
 LAB_ARGS ?=
+LAB_NOTEBOOK ?= notebooks/00_start_here.ipynb
 # JupyterLab refuses to run as root unless told to (containers, CI machines).
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
@@ -23,8 +24,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[notebook,test]"
 	touch $@
 
+# The repository is the file browser's root (README, docs, tutorials and results beside the notebooks);
+# the lab opens on the first notebook, /lab/tree/$(LAB_NOTEBOOK).
 lab: $(VENV)/.installed
-	$(PY) -m jupyter lab $(ROOT_ARGS) $(LAB_ARGS) notebooks/00_start_here.ipynb
+	$(PY) -m jupyter lab $(ROOT_ARGS) --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS) $(LAB_NOTEBOOK)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest --nbval tests notebooks $(PYTEST_ARGS)
