@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from jfa import specs
 from jfa.kernels import block_attn
-from jfa.kernels.bwd_dkdv import DQ_NONE, DQ_RESIDENT, DQ_SPLIT, DKDVConfig
+from jfa.kernels.bwd_dkdv import DQ_HANDOFF, DQ_NONE, DQ_RESIDENT, DQ_SPLIT, DKDVConfig
 from jfa.kernels.bwd_dq import DQConfig
 from jfa.kernels.fwd_sm90 import ForwardConfig
 from jfa.kernels.tiles import ROWS_PER_CONSUMER
@@ -64,13 +64,15 @@ DQ_PARTIALS_KV_BUFFERS = {128: 3}
 # D=128 its extra loops made ptxas reload spilled values.
 DKDV_BASE = {128: dict(BLOCK_M=64, BLOCK_N=128, Q_BUFFERS=2, KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=False),
              64: dict(BLOCK_M=64, BLOCK_N=128, Q_BUFFERS=3, KV_BUFFERS=2, CONSUMER_REGISTERS=240, MASK_FREE_BULK=True)}
-# Fused dQ (DQ_SPLIT) where its fewer GEMMs pay: from a mean of FUSED_MIN_MEAN_QUERIES query rows per
-# sequence (GEM L>=1024 1.05-1.08x, dense 1.08x; shorter query streams give a key tile too few steps),
-# not past FUSED_MAX_MEAN_KEYS keys, and with broadcast-Q only where its per-program dQ copies do not
-# outnumber the dQ kernel's per-sequence partials. Its staging leaves room for one K/V slot at D=128.
-FUSED_HEAD_DIMS = (128,)
-FUSED_MIN_MEAN_QUERIES = 512
-FUSED_KV_BUFFERS = {128: 1, 64: 2}
+# Fused dQ where its fewer GEMMs pay, with broadcast-Q only where its per-program dQ copies do not
+# outnumber the dQ kernel's per-sequence partials:
+# - D=128, DQ_SPLIT: from a mean of 512 query rows per sequence (GEM L>=1024 1.05-1.08x, dense 1.08x;
+#   shorter query streams give a key tile too few steps); its staging leaves room for one K/V slot;
+# - D=64, DQ_HANDOFF: up to a mean of 4096 keys (1024 causal): dense D=64 1.05x over the dQ kernel.
+FUSED = {128: dict(strategy=DQ_SPLIT.value, min_mean_queries=512, max_mean_keys=math.inf,
+                   max_mean_keys_causal=math.inf, kv_buffers=1),
+         64: dict(strategy=DQ_HANDOFF.value, min_mean_queries=0, max_mean_keys=4096, max_mean_keys_causal=1024,
+                  kv_buffers=DKDV_BASE[64]["KV_BUFFERS"])}
 # Broadcast-Q with one query block per key head (DQ_RESIDENT): dQ summed in registers, no adds
 # (PMA q=64 1.40x at D=128); K, V and dO of the next tile land a tile ahead.
 RESIDENT = {128: dict(KV_BUFFERS=2, V_BUFFERS=2, Q_BUFFERS=1)}
@@ -168,7 +170,7 @@ def dq_config(shape: Shape) -> DQConfig:
 
 
 def dq_strategy(shape: Shape) -> int:
-    """DQ_RESIDENT, DQ_SPLIT or DQ_NONE (the dQ kernel) for this call (the module's tunings)."""
+    """How dQ is formed for this call: DQ_NONE (the dQ kernel), DQ_RESIDENT, or the head dim's fused mode."""
     if shape.block_sparse:
         return DQ_NONE.value
     one_block = (shape.broadcast_q and shape.total_q <= DKDV_BASE[shape.head_dim]["BLOCK_M"]
@@ -177,13 +179,13 @@ def dq_strategy(shape: Shape) -> int:
         return DQ_NONE.value  # a fused mode's dQ copy per program would outnumber the per-sequence partials
     if one_block:  # deterministic as well: each program stores its dQ once
         return DQ_RESIDENT.value
-    if shape.deterministic or shape.head_dim not in FUSED_HEAD_DIMS:
+    fused = FUSED[shape.head_dim]
+    mean_queries = math.inf if shape.broadcast_q else _mean(shape.total_q, shape.num_seqs)
+    max_mean_keys = fused["max_mean_keys_causal" if shape.causal else "max_mean_keys"]
+    if (shape.deterministic or mean_queries < fused["min_mean_queries"]
+            or _mean(shape.total_kv, shape.num_seqs) > max_mean_keys):
         return DQ_NONE.value
-    if shape.broadcast_q:
-        fused = True
-    else:
-        fused = _mean(shape.total_q, shape.num_seqs) >= FUSED_MIN_MEAN_QUERIES
-    return DQ_SPLIT.value if fused else DQ_NONE.value
+    return fused["strategy"]
 
 
 def dkdv_config(shape: Shape, strategy: int) -> DKDVConfig:
@@ -192,11 +194,11 @@ def dkdv_config(shape: Shape, strategy: int) -> DKDVConfig:
     tuning = dict(DKDV_BASE[d])
     tuning["V_BUFFERS"] = tuning["KV_BUFFERS"]
     early_v = False
-    if strategy == DQ_SPLIT.value:
-        tuning["KV_BUFFERS"] = tuning["V_BUFFERS"] = FUSED_KV_BUFFERS[d]
+    if strategy in (DQ_SPLIT.value, DQ_HANDOFF.value):
+        tuning["KV_BUFFERS"] = tuning["V_BUFFERS"] = FUSED[d]["kv_buffers"]
         # One K/V slot: V's own barrier lets the next tile's V land under the last step (PMA 1.04-1.07x;
         # a tile of self-attention runs enough steps to hide it).
-        early_v = bool(shape.broadcast_q)
+        early_v = bool(shape.broadcast_q) and strategy == DQ_SPLIT.value
     elif strategy == DQ_RESIDENT.value:
         tuning.update(RESIDENT[d])
         early_v = True

@@ -96,7 +96,8 @@ def backward(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q: int,
     """(dq, dk, dv) in the dtypes of q, k, v; `out`, `lse` are the forward's.
 
     `grads` may give the (dq, dk, dv) buffers to fill, so tests can poison them. `dq_strategy`
-    (bwd_dkdv's DQ_*) replaces the configured one (tests; DQ_RESIDENT only where it applies).
+    (bwd_dkdv's DQ_*) replaces the configured one (tests; DQ_RESIDENT only where it applies, DQ_SPLIT
+    and DQ_HANDOFF at either head dim).
     `deterministic=True` makes every gradient bitwise repeatable: dQ by the dQ kernel, or by
     DQ_RESIDENT's fixed-order sum.
     """

@@ -20,7 +20,10 @@ dQ sums over every key tile of a sequence. Three ways to form it (`DQ`):
   block) and adds it by one TMA reduce-add into an fp32 accumulator;
 - DQ_RESIDENT (broadcast-Q with one query block per key head): each program keeps its one query
   block loaded and sums its dQ in registers over all its key tiles, storing it once into its own
-  partial: no adds at all, so it is deterministic too.
+  partial: no adds at all, so it is deterministic too;
+- DQ_HANDOFF (D=64): fused in the S^T orientation: each consumer stages dS^T and forms its [64, D]
+  dQ piece by one more wgmma; consumer 1 hands its piece to consumer 0 through a small ring of fp32
+  stages, and consumer 0 reduce-adds the sum, half the global adds.
 
 With broadcast-Q the fused modes give every program its own fp32 copy of the shared query's dQ (the
 B sequences would all add into the same q_len rows), summed afterwards.
@@ -50,6 +53,8 @@ from jfa.kernels.tma import rows_descriptor
 DQ_NONE: tl.constexpr = tl.constexpr(0)  # dQ comes from `bwd_dq`
 DQ_SPLIT: tl.constexpr = tl.constexpr(1)  # fused: each consumer reduce-adds half of dQ's columns
 DQ_RESIDENT: tl.constexpr = tl.constexpr(2)  # fused: the program's one query block's dQ summed in registers
+DQ_HANDOFF: tl.constexpr = tl.constexpr(3)  # fused: consumer 1's dQ piece added into consumer 0's, one reduce-add
+HANDOFF_STAGES: tl.constexpr = tl.constexpr(2)  # consumer 1's dQ pieces in flight to consumer 0
 CONSUMERS: tl.constexpr = tl.constexpr(2)  # consumer warpgroups, each owning half of a tile's keys
 # DQ_SPLIT's consumers meet here once per query block, when both have staged their dS (the dK/dV
 # kernel takes no ping-pong turns, so the ping-pong barrier's id serves). dS alternates between two
@@ -72,7 +77,7 @@ class DKDVConfig(NamedTuple):
     V_BUFFERS: int
     CONSUMER_REGISTERS: int
     MASK_FREE_BULK: bool  # query blocks that see every key of a consumer run a step without masks
-    DQ: int  # DQ_NONE, DQ_SPLIT or DQ_RESIDENT
+    DQ: int  # DQ_NONE, DQ_SPLIT, DQ_RESIDENT or DQ_HANDOFF
     EARLY_V_RELEASE: bool  # V's slot is freed after the tile's last dP, K's at the tile's end
     CAUSAL: bool
     HAS_WINDOW: bool
@@ -87,19 +92,34 @@ def num_stages(config: DKDVConfig) -> int:
     return 1 if config.DQ == DQ_NONE.value else 0
 
 
+class HandoffDQ(NamedTuple):
+    """DQ_HANDOFF's shared memory: each consumer's dS^T stage, consumer 0's reduce-add stage followed by
+    the ring of stages consumer 1 hands its pieces through, that ring's barriers, the accumulator's view."""
+
+    ds_stages: object
+    dq_stages: object
+    fulls: object
+    empties: object
+    desc_dq: object
+    row0: object  # the program's copy's first row in the accumulator's view
+
+
 @triton.jit
 def _dkdv_step(q_tile, do_tile, k_tile, v_tile, dk, dv, key, q_row0, head, problem, lse_ptr, delta_ptr,
-               stride_lse_head, stride_delta_head, qk_scale_log2, MASKED: tl.constexpr, CFG: tl.constexpr,
-               FORK: tl.constexpr):
-    """One query block against this consumer's keys, in the S^T orientation: update dK, dV (DQ_NONE).
+               stride_lse_head, stride_delta_head, qk_scale_log2, handoff, step, sm_scale, cid: tl.constexpr,
+               MASKED: tl.constexpr, CFG: tl.constexpr, FORK: tl.constexpr):
+    """One query block against this consumer's keys, in the S^T orientation: update dK, dV, and with
+    DQ_HANDOFF add the block's dQ piece.
 
     S^T and dP^T are issued back to back, so the second runs on the tensor cores while the first's
-    exp2 is computed. Without causality, window or a fork's mask, a masked step masks only query
-    rows, through the LSE: rows past the sequence end load LSE = +inf, so their P and dS are exactly
-    0 and they add nothing (keys past the end get garbage dK/dV rows, which are never stored).
+    exp2 is computed. Without fused dQ, causality, window or a fork's mask, a masked step masks only
+    query rows, through the LSE: rows past the sequence end load LSE = +inf, so their P and dS are
+    exactly 0 and they add nothing (keys past the end get garbage dK/dV rows, never stored, but with
+    fused dQ they would reach dQ: then every pair is masked).
     """
     dtype: tl.constexpr = q_tile.dtype
-    ROWS_BY_LSE: tl.constexpr = not (CFG.CAUSAL or CFG.HAS_WINDOW or FORK.mask_mod is not None)
+    ROWS_BY_LSE: tl.constexpr = not (CFG.CAUSAL or CFG.HAS_WINDOW or FORK.mask_mod is not None
+                                     or CFG.DQ == DQ_HANDOFF)
     s_t = tlx.async_dot(k_tile, tlx.local_trans(q_tile))
     dp_t = tlx.async_dot(v_tile, tlx.local_trans(do_tile))
     q_rows = q_row0 + tl.arange(0, CFG.BLOCK_M)
@@ -122,10 +142,40 @@ def _dkdv_step(q_tile, do_tile, k_tile, v_tile, dk, dv, key, q_row0, head, probl
     ds_t = score_gradient(p_t * (dp_t - delta[None, :]), s_t, q_idx, k_idx, key.seq, head, problem.params,
                           qk_scale_log2, FORK)
     dv = tlx.async_dot(p_t.to(dtype), do_tile, dv)
-    dk = tlx.async_dot(ds_t.to(dtype), q_tile, dk)
+    ds_t_low = ds_t.to(dtype)
+    dk = tlx.async_dot(ds_t_low, q_tile, dk)
+    if CFG.DQ == DQ_HANDOFF:
+        _hand_off_dq(ds_t_low, k_tile, handoff, step, key, q_row0, head, sm_scale, cid, CFG)
     dv = tlx.async_dot_wait(0, dv)
     dk = tlx.async_dot_wait(0, dk)
     return dk, dv
+
+
+@triton.jit
+def _hand_off_dq(ds_t_low, k_tile, handoff, step, key, q_row0, head, sm_scale, cid: tl.constexpr, CFG: tl.constexpr):
+    """DQ_HANDOFF's dQ piece of one query block: dQ = dS K from the staged dS^T (wgmma reads a
+    transposed A only from shared memory); consumer 1 hands its piece to consumer 0, which adds it to
+    its own and reduce-adds the sum. Both stream the same query blocks in the same order, so their
+    `step` counts agree. The handoff moves dQ by plain shared-memory stores and loads, so every
+    thread arrives on its warp barriers (racecheck orders a thread's accesses by its own arrive)."""
+    ds_stage = handoff.ds_stages[cid]
+    tlx.local_store(ds_stage, ds_t_low)
+    tlx.fence_async_shared()
+    dq = tlx.async_dot(tlx.local_trans(ds_stage), k_tile)
+    dq = tlx.async_dot_wait(0, dq)
+    slot, phase = ring_slot(step, HANDOFF_STAGES)
+    if cid == 0:
+        tlx.barrier_wait(handoff.fulls[slot], phase)
+        dq += tlx.local_load(handoff.dq_stages[1 + slot])
+        tlx.barrier_arrive(handoff.empties[slot], 1)
+        # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
+        # clips rows past the tensor end.
+        reduce_add_rows(handoff.desc_dq, handoff.dq_stages[0], dq, sm_scale, handoff.row0 + key.q_start + q_row0,
+                        head * CFG.HEAD_DIM)
+    else:
+        tlx.barrier_wait(handoff.empties[slot], phase ^ 1)
+        tlx.local_store(handoff.dq_stages[1 + slot], dq)
+        tlx.barrier_arrive(handoff.fulls[slot], 1)
 
 
 @triton.jit
@@ -184,8 +234,7 @@ def _split_dq_step(q_tile, do_tile, k_buffers, kv_slot, v_tile, p_stage, ds_stag
     dq = tlx.async_dot_wait(1, dq)  # every group but dK's
     # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
     # clips rows past the tensor end.
-    reduce_add_rows(desc_dq, dq_stage, dq * sm_scale, dq_row0 + key.q_start + q_row0,
-                    head * CFG.HEAD_DIM + cid * HALF_D)
+    reduce_add_rows(desc_dq, dq_stage, dq, sm_scale, dq_row0 + key.q_start + q_row0, head * CFG.HEAD_DIM + cid * HALF_D)
     dv = tlx.async_dot_wait(0, dv)
     dk = tlx.async_dot_wait(0, dk)
     return dk, dv, next_lse_log2, next_delta
@@ -267,6 +316,7 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
     HALF_D: tl.constexpr = HEAD_DIM // CONSUMERS
     RESIDENT: tl.constexpr = CFG.DQ == DQ_RESIDENT
     SPLIT: tl.constexpr = CFG.DQ == DQ_SPLIT
+    HANDOFF: tl.constexpr = CFG.DQ == DQ_HANDOFF
     dtype: tl.constexpr = tlx.dtype_of(desc_q)
     Q_BYTES: tl.constexpr = BLOCK_M * HEAD_DIM * tlx.size_of(dtype)
     KV_HALF_BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(dtype)
@@ -299,12 +349,20 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
         ds_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, DS_STAGES * CONSUMERS)
         p_stages = tlx.local_alloc((BLOCK_M, KEYS), dtype, CONSUMERS)
         dq_stages = tlx.local_alloc((BLOCK_M, HALF_D), tl.float32, CONSUMERS)
+    elif HANDOFF:  # dS^T (keys x queries) per consumer; consumer 0's reduce stage, then the handoff ring
+        ds_stages = tlx.local_alloc((KEYS, BLOCK_M), dtype, CONSUMERS)
+        dq_stages = tlx.local_alloc((BLOCK_M, HEAD_DIM), tl.float32, 1 + HANDOFF_STAGES)
     q_ring = make_ring(q_buffers, CFG.Q_BUFFERS, 1, CONSUMERS)
     kv_ring = make_ring(k_buffers, CFG.KV_BUFFERS, 1, CONSUMERS)  # one barrier pair guards a tile's K and V
     if CFG.EARLY_V_RELEASE:  # V's slot is freed after the tile's last dP, K's at the tile's end
         v_empties = tlx.alloc_barriers(num_barriers=CFG.V_BUFFERS, arrive_count=CONSUMERS)
     else:
         v_empties = kv_ring.empties
+    if HANDOFF:
+        handoff = HandoffDQ(ds_stages, dq_stages, tlx.alloc_warp_barrier(HANDOFF_STAGES, num_warps=WARPGROUP_WARPS),
+                            tlx.alloc_warp_barrier(HANDOFF_STAGES, num_warps=WARPGROUP_WARPS), desc_dq, dq_row0)
+    else:
+        handoff = None
 
     with tlx.async_tasks():
         with tlx.async_task("default"):  # producer: TMA loads only
@@ -457,8 +515,8 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
                                             dk, dv = _dkdv_step(
                                                 q_ring.buffers[q_slot], do_buffers[q_slot], k_buffers[kv_index],
                                                 v_buffers[v_index], dk, dv, key, q_row0, head, problem, lse_ptr,
-                                                delta_ptr, stride_lse_head, stride_delta_head, qk_scale_log2,
-                                                segment != 1, CFG, FORK)
+                                                delta_ptr, stride_lse_head, stride_delta_head, qk_scale_log2, handoff,
+                                                q_loads, sm_scale, cid, segment != 1, CFG, FORK)
                                         tlx.barrier_arrive(q_ring.empties[slot], 1)
                                         q_loads += 1
                     # Freed after the tile's last step, K's slot (and V's without EARLY_V_RELEASE).
@@ -501,8 +559,8 @@ def is_supported(q: torch.Tensor) -> bool:
 
 
 def dq_box_cols(config: DKDVConfig) -> int:
-    """Columns of one box of the fp32 dQ accumulator: half of D in the fused modes."""
-    return config.HEAD_DIM // CONSUMERS.value
+    """Columns of one box of the fp32 dQ accumulator: a whole row's D with DQ_HANDOFF, half of it else."""
+    return config.HEAD_DIM if config.DQ == DQ_HANDOFF.value else config.HEAD_DIM // CONSUMERS.value
 
 
 def launch(dout, q, k, v, lse, delta, dk, dv, dq_accum, q_offsets, kv_offsets, schedule, config: DKDVConfig, *,

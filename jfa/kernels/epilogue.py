@@ -70,10 +70,11 @@ def store_key_rows(ptr, x, kv_rows, row_ok, kv_head, stride_row, HEAD_DIM: tl.co
 
 
 @triton.jit
-def reduce_add_rows(desc, stage, x, row, col):
-    """Add fp32 `x` into the box at (row, col) of `desc`'s tensor by one TMA reduce-add (`cp.reduce.async.bulk`),
-    through `stage`; the previous reduce-add from `stage` has read it before it is rewritten."""
+def reduce_add_rows(desc, stage, x, scale, row, col):
+    """Add fp32 `x * scale` into the box at (row, col) of `desc`'s tensor by one TMA reduce-add
+    (`cp.reduce.async.bulk`), through `stage`; the previous reduce-add from `stage` has read it before
+    it is rewritten (the wait comes first, so the scaling does not hold `x` twice meanwhile)."""
     tlx.async_descriptor_store_wait(0)
-    tlx.local_store(stage, x)
+    tlx.local_store(stage, x * scale)
     tlx.fence_async_shared()
     tlx.async_descriptor_store(desc, stage, [row, col], store_reduce="add")
