@@ -324,6 +324,9 @@ def ring_figure(steps: list[RingStep], title: str = "K/V ring: who works and who
     def row(s: RingStep) -> str:
         return f"load, slot {s.slot}" if s.action == "load" else s.role
 
+    def _bar_label(s: RingStep) -> str:  # tile and phase parity; the slot where the row does not say it
+        return {"load": f"t{s.tile} p{s.parity}", "compute": f"t{s.tile} s{s.slot} p{s.parity}"}.get(s.action, "")
+
     fig = go.Figure()
     for action, color in ROLE_COLORS.items():
         chosen = [s for s in steps if s.action == action]
@@ -332,7 +335,7 @@ def ring_figure(steps: list[RingStep], title: str = "K/V ring: who works and who
         fig.add_trace(go.Bar(
             name=action, orientation="h", marker_color=color,
             y=[row(s) for s in chosen], x=[s.end - s.start for s in chosen], base=[s.start for s in chosen],
-            text=[f"t{s.tile} p{s.parity}" if action != "wait" else "" for s in chosen],
+            text=[_bar_label(s) for s in chosen],
             textposition="inside", insidetextanchor="middle",
             hovertext=[f"tile {s.tile}, slot {s.slot}, {s.barrier} parity {s.parity}" for s in chosen]))
     issues = [s for s in steps if s.action == "load"]
