@@ -3,17 +3,18 @@
 `select` on each benchmark suite case (`tests/suite_shapes.py`) gives the tunings the module's
 comments name, and no other: short-key tiles on GEM batches averaging at most SHORT_KEYS_MEAN keys,
 half last tiles only where no key sequence is longer than HALF_TAIL_MAX_KEYS, paired heads on PMA
-q=64, three consumers on dense D=64; dQ fused (DQ_SPLIT) from a mean of FUSED_MIN_MEAN_QUERIES
-queries at D=128, summed in registers (DQ_RESIDENT) on PMA q=64, by the dQ kernel (DQ_NONE)
-otherwise and wherever the call is deterministic, except where DQ_RESIDENT applies; forks that take
-the base tiles (block-sparse, FP8, block masks) get them. Feature flags pass through unchanged. And
+q=64, three consumers on dense D=64; dQ fused where `FUSED` bounds its head dim's mode (DQ_SPLIT from
+a mean of 512 queries at D=128, DQ_HANDOFF up to a mean of 4096 keys at D=64), summed in registers
+(DQ_RESIDENT) on PMA q=64, by the dQ kernel (DQ_NONE) otherwise and wherever the call is deterministic,
+except where DQ_RESIDENT applies; forks that take the base tiles (block-sparse, FP8, block masks) get
+them. Feature flags pass through unchanged. And
 the space `reachable_configs()` enumerates stays at most a third of the old kernels' (issue 35).
 """
 import pytest
 
 from jfa import configs, specs
 from jfa.kernels import bwd_dkdv, bwd_dq, fwd_sm90
-from jfa.kernels.bwd_dkdv import DQ_NONE, DQ_RESIDENT, DQ_SPLIT
+from jfa.kernels.bwd_dkdv import DQ_HANDOFF, DQ_NONE, DQ_RESIDENT, DQ_SPLIT
 from jfa.kernels.tiles import ROWS_PER_CONSUMER
 from tests.suite_shapes import mean_keys, mean_queries, suite_cases, suite_shape
 
@@ -119,33 +120,51 @@ def test_the_base_tiles_where_no_tuning_applies():
 
 # ---- the backward's dQ strategy --------------------------------------------------------------------------
 
+# The suite cases whose dQ the dQ kernel forms (DQ_NONE): the short GEM and cross batches, whose query
+# rows average less than FUSED[128]'s bound; every other case fuses it.
+DQ_KERNEL_CASES = [("gem", "L=256,s=0.5"), ("gem", "L=256,s=1.0"), ("gem", "L=512,s=0.5"),
+                   ("cross", "L=256,s=0.5"), ("cross", "L=256,s=1.0"), ("cross", "L=512,s=0.5")]
+
+
 @pytest.mark.parametrize("case", ALL_CASES, ids=_case_id)
 def test_dq_strategy_of_each_suite_case(case):
-    """DQ_RESIDENT on PMA q=64 (one query block, as many query as key heads); DQ_SPLIT at D=128 from a mean
-    of FUSED_MIN_MEAN_QUERIES queries, and with broadcast-Q over at least as many sequences as SMs;
-    DQ_NONE otherwise (D=64: the dQ kernel)."""
+    """DQ_RESIDENT on PMA q=64 (one query block, as many query as key heads); the dQ kernel on the short
+    batches; elsewhere the head dim's fused mode: DQ_SPLIT at D=128 (broadcast-Q over at least as many
+    sequences as SMs among them), DQ_HANDOFF at D=64."""
     shape = suite_shape(*case)
     plan = configs.select(shape)
     if case == PMA_Q64:
         expected = DQ_RESIDENT.value
-    elif shape.head_dim in configs.FUSED_HEAD_DIMS and (
-            shape.broadcast_q or mean_queries(shape) >= configs.FUSED_MIN_MEAN_QUERIES):
-        expected = DQ_SPLIT.value
-    else:
+    elif case in DQ_KERNEL_CASES:
         expected = DQ_NONE.value
+        assert mean_queries(shape) < configs.FUSED[shape.head_dim]["min_mean_queries"], case
+    else:
+        expected = configs.FUSED[shape.head_dim]["strategy"]
     assert configs.dq_strategy(shape) == plan.dkdv.DQ == expected, case
     assert (plan.dq is None) == (expected != DQ_NONE.value)
+    assert configs.FUSED[128]["strategy"] == DQ_SPLIT.value and configs.FUSED[64]["strategy"] == DQ_HANDOFF.value
 
 
-def test_fused_dq_from_the_mean_query_bound():
-    """GEM L=512 s=1 averages exactly FUSED_MIN_MEAN_QUERIES queries: fused; one query row fewer: not."""
+def test_fused_dq_from_the_mean_query_bound_at_d128():
+    """GEM L=512 s=1 averages exactly FUSED[128]'s min_mean_queries: fused; one query row fewer: not."""
     shape = suite_shape("gem", "L=512,s=1.0")
-    assert mean_queries(shape) == configs.FUSED_MIN_MEAN_QUERIES
+    assert mean_queries(shape) == configs.FUSED[128]["min_mean_queries"]
     assert configs.dq_strategy(shape) == DQ_SPLIT.value
     assert configs.dq_strategy(shape._replace(total_q=shape.total_q - 1)) == DQ_NONE.value
-    assert configs.dq_strategy(suite_shape(*DENSE_D64)) == DQ_NONE.value  # D=64 never fuses
-    assert {configs.dq_strategy(suite_shape("gem", "L=256,s=1.0")),
-            configs.dq_strategy(suite_shape("gem", "L=512,s=0.5"))} == {DQ_NONE.value}
+
+
+def test_fused_dq_up_to_the_mean_key_bound_at_d64():
+    """Dense D=64 averages exactly FUSED[64]'s max_mean_keys: DQ_HANDOFF; one key more, or causal (whose
+    bound is max_mean_keys_causal), the dQ kernel."""
+    shape = suite_shape(*DENSE_D64)
+    fused = configs.FUSED[64]
+    assert mean_keys(shape) == fused["max_mean_keys"]
+    assert configs.dq_strategy(shape) == DQ_HANDOFF.value
+    assert configs.dq_strategy(shape._replace(total_kv=shape.total_kv + shape.num_seqs)) == DQ_NONE.value
+    causal = shape._replace(causal=True)
+    assert configs.dq_strategy(causal) == DQ_NONE.value
+    short = fused["max_mean_keys_causal"] * shape.num_seqs
+    assert configs.dq_strategy(causal._replace(total_q=short, total_kv=short)) == DQ_HANDOFF.value
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=_case_id)
@@ -172,24 +191,25 @@ def test_resident_dq_needs_one_query_block_per_key_head_and_enough_sequences():
 
 
 def test_dkdv_configuration_follows_the_strategy():
-    """DQ_SPLIT takes FUSED_KV_BUFFERS slots and frees V early with broadcast-Q only; DQ_RESIDENT takes its
-    own ring and frees V early; DQ_NONE the base; the mask-free bulk at D=64 only. The launch's
-    num_stages is 1 without fused dQ, 0 with it."""
+    """The fused modes take FUSED's K/V slots, DQ_SPLIT frees V early with broadcast-Q only; DQ_RESIDENT
+    takes its own ring and frees V early; DQ_NONE the base; the mask-free bulk at D=64 only. The
+    launch's num_stages is 1 without fused dQ, 0 with it."""
     gem_split = configs.select(suite_shape("gem", "L=2048,s=1.0")).dkdv
     pma_split = configs.select(suite_shape(*PMA_Q256)).dkdv
     resident = configs.select(suite_shape(*PMA_Q64)).dkdv
+    handoff = configs.select(suite_shape(*DENSE_D64)).dkdv
     base = configs.select(suite_shape("gem", "L=256,s=0.5")).dkdv
-    dense_d64 = configs.select(suite_shape(*DENSE_D64)).dkdv
-    for config in (gem_split, pma_split):
-        assert config.DQ == DQ_SPLIT.value
-        assert config.KV_BUFFERS == config.V_BUFFERS == configs.FUSED_KV_BUFFERS[128]
-    assert not gem_split.EARLY_V_RELEASE and pma_split.EARLY_V_RELEASE
+    base_d64 = configs.select(suite_shape(*DENSE_D64, causal=True)).dkdv
+    for config in (gem_split, pma_split, handoff):
+        assert config.DQ == configs.FUSED[config.HEAD_DIM]["strategy"]
+        assert config.KV_BUFFERS == config.V_BUFFERS == configs.FUSED[config.HEAD_DIM]["kv_buffers"]
+    assert pma_split.EARLY_V_RELEASE and not (gem_split.EARLY_V_RELEASE or handoff.EARLY_V_RELEASE)
     assert resident.EARLY_V_RELEASE and _tuning(resident, configs.RESIDENT[128]) == configs.RESIDENT[128]
-    for config in (base, dense_d64):
+    for config in (base, base_d64):
         assert config.DQ == DQ_NONE.value and not config.EARLY_V_RELEASE
         assert _tuning(config, configs.DKDV_BASE[config.HEAD_DIM]) == configs.DKDV_BASE[config.HEAD_DIM]
-    assert dense_d64.MASK_FREE_BULK and not base.MASK_FREE_BULK
-    assert [bwd_dkdv.num_stages(c) for c in (base, gem_split, resident)] == [1, 0, 0]
+    assert handoff.MASK_FREE_BULK and base_d64.MASK_FREE_BULK and not (base.MASK_FREE_BULK or gem_split.MASK_FREE_BULK)
+    assert [bwd_dkdv.num_stages(c) for c in (base, base_d64, gem_split, resident, handoff)] == [1, 1, 0, 0, 0]
 
 
 def test_dq_kernel_ring_with_broadcast_partials():
@@ -280,4 +300,4 @@ def test_every_reachable_configuration_is_consistent(reachable):
         assert config.HEADS_PER_TILE in (1, 2)
     for config in reachable["forward"]:
         assert config.HEADS_PER_TILE == 1 or config.CONSUMERS == config.HEADS_PER_TILE, config
-    assert {c.DQ for c in reachable["dkdv"]} == {DQ_NONE.value, DQ_SPLIT.value, DQ_RESIDENT.value}
+    assert {c.DQ for c in reachable["dkdv"]} == {DQ_NONE.value, DQ_SPLIT.value, DQ_RESIDENT.value, DQ_HANDOFF.value}
