@@ -1081,7 +1081,8 @@ def _time_jagged_case(case: Case, variant=None, params: tuple = (), peers: Itera
                                                            params=params_dev, **options))
     for peer in peers:
         if case.causal or case.window is not None:
-            rows += rows_of(peer, {}, "not timed: jfa.workbench.providers runs the peers without causal or window masks")
+            rows += rows_of(peer, {}, "not timed: jfa.workbench.providers runs the peers without causal or "
+                                      "window masks")
             continue
         extra: dict = {}
         try:
@@ -1413,7 +1414,7 @@ def _reference_change(variant, params: tuple, causal: bool, window) -> tuple[flo
     from jfa import reference
 
     gen = torch.Generator().manual_seed(0)
-    lengths = (1, 64, 200)
+    lengths = (1, 100, 600)
     off = _offsets(lengths, "cpu")
     q, k, v = (torch.randn(sum(lengths), HEADS, 64, generator=gen) for _ in range(3))
     mine = variant.reference(q, k, v, off, off, causal=causal, window=window, params=params)
@@ -1495,8 +1496,8 @@ def try_fork(variant, params: tuple = (), *, head_dim: int = HEAD_DIM, dtype=tor
     notes = []
     skipped = skipped_key_tiles(variant, params, causal=causal)
     if skipped is not None:
-        notes.append(f"The block mask rules out {skipped:.0%} of the 128 x 128 key tiles of a {SKIP_COUNT_LENGTH}-token "
-                     "sequence (head 0): the kernels neither load nor compute those.")
+        notes.append(f"The block mask rules out {skipped:.0%} of the 128 x 128 key tiles of a {SKIP_COUNT_LENGTH}-"
+                     "token sequence (head 0): the kernels neither load nor compute those.")
     if variant.fork.score_mod is not None or variant.fork.mask_mod is not None:
         change, scale = _reference_change(variant, params, causal, window)
         notes.append(f"What the hooks change (PyTorch references only, no kernel involved): max |variant - plain "
