@@ -8,12 +8,9 @@ memory within the H200's limit, the output's TMA stores, and for the benchmark c
 reloads inside the key loops and Q·K^T in flight together with P·V. Then the forks: FP8 multiplies in
 FP8, and the block-sparse fork and the three example variants (`jfa.variants`) compile.
 
-Every configuration is compiled once per session (`compiled`), in parallel on the machine's cores,
-through Triton's on-disk cache.
+Every configuration is compiled once per session (`compiled`, `tests/kernel_reports.py`), in parallel
+on the machine's cores, through Triton's on-disk cache.
 """
-import concurrent.futures
-import multiprocessing
-import os
 import re
 from typing import NamedTuple
 
@@ -26,11 +23,12 @@ from jfa.kernels.forks.block_sparse import BLOCK_SPARSE_FORK
 from jfa.kernels.forks.fp8 import FP8_FORK
 from jfa.kernels.hooks import DEFAULT_FORK
 from jfa.workbench import inspect as jinspect
+from tests.kernel_reports import (check_warp_specialized, compile_reports, count, loops_without_local_memory, report,
+                                  tma_stores)
 from tests.suite_shapes import suite_shape
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 WINDOW = 64
-TARGET = "sm_90"
 BLOCK_SPARSE_PARAMS = ("*i32", "*i32", "i32", "i32", "i32")  # `selection_params`: blocks, counts, sizes
 FP8_PARAMS = ("fp32",)  # V's scale
 GEM, GEM_SHORT, GEM_SHORT_WHOLE = ("gem", "L=2048,s=1.0"), ("gem", "L=256,s=0.5"), ("gem", "L=512,s=0.5")
@@ -83,9 +81,9 @@ FORK_JOBS = {
     "block-sparse": Job(_forward(GEM, base_tiles=True, block_sparse=True), fork=BLOCK_SPARSE_FORK,
                         params_signature=BLOCK_SPARSE_PARAMS),
 }
-VARIANT_PARAMS = {"alibi": (variants.alibi_slopes(specs.GEM_HEADS),), "global tokens": (4, WINDOW),
+VARIANT_PARAMS = {"alibi": (variants.alibi_slopes(specs.GEM_HEADS),), "global-tokens": (4, WINDOW),
                   "softcap": (30.0,)}
-VARIANTS = {"alibi": variants.ALIBI, "global tokens": variants.GLOBAL_TOKENS, "softcap": variants.SOFTCAP}
+VARIANTS = {"alibi": variants.ALIBI, "global-tokens": variants.GLOBAL_TOKENS, "softcap": variants.SOFTCAP}
 ALL_JOBS = {**BENCHMARK_JOBS, **FEATURE_JOBS, **FP8_JOBS, **FORK_JOBS}
 
 
@@ -94,56 +92,21 @@ def _variant_spec(name):
 
 
 def _compile(name: str) -> jinspect.KernelReport:
-    """Runs in a worker process: the report of one job (or variant) compiled for sm_90."""
-    spec = _variant_spec(name[len("variant "):]) if name.startswith("variant ") else ALL_JOBS[name].spec()
-    return jinspect.inspect(spec, TARGET, want_ptx=True, want_ttgir=True)
+    """Runs in a worker process: the report of one job (or "variant NAME") compiled for sm_90."""
+    return report(_variant_spec(name[len("variant "):]) if name.startswith("variant ") else ALL_JOBS[name].spec())
 
 
 @pytest.fixture(scope="session")
 def compiled() -> dict:
-    """Every job and variant compiled once per session, the workers on the machine's cores (compiling is
-    CPU-bound and single-threaded); jobs with equal arguments share one compile."""
-    names = list(ALL_JOBS) + [f"variant {v}" for v in VARIANTS]
-    unique = {}
-    for name in names:
-        unique.setdefault(ALL_JOBS.get(name, name), name)
-    context = multiprocessing.get_context("fork")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(os.cpu_count(), len(unique)),
-                                                mp_context=context) as pool:
-        reports = dict(zip(unique.values(), pool.map(_compile, unique.values())))
-    return {name: reports[unique[ALL_JOBS.get(name, name)]] for name in names}
-
-
-def _count(ptx: str, mnemonic: str) -> int:
-    return len(re.findall(rf"^\s*(?:@!?%p\d+\s+)?{re.escape(mnemonic)}", ptx, flags=re.MULTILINE))
-
-
-def _tma_stores(ptx: str) -> int:
-    return _count(ptx, "cp.async.bulk.tensor.2d.global.shared")
-
-
-def _check_warp_specialized(report, consumers: int, consumer_registers: int):
-    """A producer warpgroup and `consumers` consumer warpgroups, the consumers at their register budget, the
-    producer below it, all within the SM's register file; wgmma, TMA loads, mbarrier rings; the shared
-    memory within one CTA's limit."""
-    names = [role.name for role in report.roles]
-    assert names == ["producer"] + [f"consumer{c}" for c in range(consumers)], names
-    assert all(role.warps == specs.WARPGROUP_WARPS for role in report.roles), report.roles
-    assert all(role.requested_registers == role.registers == consumer_registers for role in report.roles[1:])
-    assert report.roles[0].registers < consumer_registers
-    used = sum(role.warps * specs.WARP_SIZE * role.registers for role in report.roles)
-    assert used <= specs.REGISTERS_PER_SM, (used, report.roles)
-    assert any(k.startswith("dec") for k in report.setmaxnreg) and any(k.startswith("inc") for k in report.setmaxnreg)
-    assert report.instructions["wgmma.mma_async"] > 0
-    assert report.instructions["TMA load (cp.async.bulk.tensor g->s)"] > 0
-    assert report.instructions["mbarrier.try_wait"] > 0 and report.instructions["mbarrier.arrive (all)"] > 0
-    assert report.shared_bytes <= specs.SHARED_BYTES_PER_BLOCK[TARGET], report.shared_bytes
+    """Every job and variant compiled once per session; jobs with equal arguments share one compile."""
+    return compile_reports(list(ALL_JOBS) + [f"variant {v}" for v in VARIANTS], _compile,
+                           key=lambda name: ALL_JOBS.get(name, name))
 
 
 @pytest.mark.parametrize("name", ALL_JOBS)
 def test_compiles_to_the_warp_specialized_skeleton(compiled, name):
     config = ALL_JOBS[name].config
-    _check_warp_specialized(compiled[name], config.CONSUMERS, config.CONSUMER_REGISTERS)
+    check_warp_specialized(compiled[name], config.CONSUMERS, config.CONSUMER_REGISTERS)
 
 
 @pytest.mark.parametrize("name", ALL_JOBS)
@@ -151,11 +114,12 @@ def test_whole_output_blocks_leave_by_tma_store(compiled, name):
     """One TMA store per consumer from its stage in shared memory, except where the output's dtype is not the
     inputs' (FP8) and with broadcast-Q on paired heads, which store every block from registers."""
     job = ALL_JOBS[name]
-    staged = (job.out_dtype or job.dtype) == job.dtype and not (job.config.BROADCAST_Q and job.config.HEADS_PER_TILE == 2)
+    paired_broadcast = job.config.BROADCAST_Q and job.config.HEADS_PER_TILE == 2
+    staged = (job.out_dtype or job.dtype) == job.dtype and not paired_broadcast
     ptx = compiled[name].ptx
-    assert _tma_stores(ptx) == (job.config.CONSUMERS if staged else 0)
+    assert tma_stores(ptx) == (job.config.CONSUMERS if staged else 0)
     if staged:
-        assert _count(ptx, "cp.async.bulk.wait_group.read") > 0
+        assert count(ptx, "cp.async.bulk.wait_group.read") > 0
 
 
 # Spill bytes ptxas may report for a benchmark configuration (per thread): values the epilogue and the
@@ -165,17 +129,15 @@ FORWARD_SPILL_BUDGET_BYTES = 112
 
 @pytest.mark.parametrize("name", BENCHMARK_JOBS)
 def test_benchmark_configurations_spill_within_the_budget(compiled, name):
-    report = compiled[name]
-    assert max(report.spill_bytes.values()) <= FORWARD_SPILL_BUDGET_BYTES, report.spill_bytes
+    spills = compiled[name].spill_bytes
+    assert max(spills.values()) <= FORWARD_SPILL_BUDGET_BYTES, spills
 
 
 @pytest.mark.parametrize("name", {**BENCHMARK_JOBS, **FEATURE_JOBS})
 def test_key_loops_reload_nothing_from_local_memory(compiled, name):
     """The innermost SASS loops that issue the wgmmas (the key loops) neither load nor store local memory:
     whatever ptxas spills stays outside them."""
-    loops = compiled[name].loops
-    assert loops, "no wgmma loop found in the SASS"
-    assert all(loop["local_loads"] == loop["local_stores"] == 0 for loop in loops), loops
+    assert loops_without_local_memory(compiled[name]), compiled[name].loops
 
 
 @pytest.mark.parametrize("name", BENCHMARK_JOBS)
@@ -203,6 +165,5 @@ def test_example_variants_compile(compiled, variant):
     spec = _variant_spec(variant)
     assert spec.constexprs["FORK"] is VARIANTS[variant].fork
     config = spec.constexprs["CFG"]
-    report = compiled[f"variant {variant}"]
-    _check_warp_specialized(report, config.CONSUMERS, config.CONSUMER_REGISTERS)
-    assert report.loops, "no wgmma loop found in the SASS"
+    check_warp_specialized(compiled[f"variant {variant}"], config.CONSUMERS, config.CONSUMER_REGISTERS)
+    assert compiled[f"variant {variant}"].loops, "no wgmma loop found in the SASS"
