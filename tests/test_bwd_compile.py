@@ -193,6 +193,12 @@ def test_dq_kernel_stores_from_registers_without_reduce_adds(compiled, name):
     assert kernel.instructions[TMA_REDUCE] == 0 and tma_stores(kernel.ptx) == 0
 
 
+@pytest.mark.parametrize("name", _jobs("dq"))
+def test_dq_kernel_loops_reload_nothing_from_local_memory(compiled, name):
+    """Masks, broadcast-Q's fp32 partials and paired heads included: the key loops hold no spilled value."""
+    assert loops_without_local_memory(compiled[name]), compiled[name].loops
+
+
 @pytest.mark.parametrize("name", _jobs("dq", BENCHMARK_JOBS))
 def test_dq_steps_stay_in_flight(compiled, name):
     """A turn issues S(n), dP(n) and the previous tile's dQ together; the only waits for every wgmma right
