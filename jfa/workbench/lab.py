@@ -65,6 +65,8 @@ BENCH_SUITE = {"block": "block", "block_sparse": "block_sparse", "fp8": "fp8"}  
 SKIP_COUNT_LENGTH = 2048  # the sequence over which a block mask's skipped key tiles are counted
 BLOCK_MASK_CHECKS = ((64, 64), (64, 128), (128, 64), (128, 128))  # the kernels' row and key tile sizes
 
+LIVE_DEVICE = "cuda"  # where live checks and timings run (tests run the plumbing on the CPU through it)
+
 _state = {"results": None}
 
 
@@ -848,17 +850,17 @@ def _why_not_live(t: _Target, q, k, v) -> str | None:
         return dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, q, k, v, dtypes=jagged.FP8_DTYPES)
     if t.kind == "block":
         return dispatch.why_not_kernel("block_attn", q, k, v)
-    return (dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, q, k, v)
-            or dispatch.why_not_kernel(dispatch.BACKWARD_KERNEL, q, k, v))
+    return dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, q, k, v)
 
 
 def _run_live_check(t: _Target, *, lengths, heads, head_dim, dtype, causal, window, broadcast_q, params, density,
-                    seed, backward, device="cuda") -> list[TensorCheck]:
+                    seed, backward, device=None) -> list[TensorCheck]:
     """Run the kernel and its fp32 reference on fresh inputs (seed `seed`); compare every element."""
     import jfa
     from jfa import reference
 
     q_heads, kv_heads = heads
+    device = device or LIVE_DEVICE
     gen = torch.Generator(device=device).manual_seed(seed)
     q_lens = [BROADCAST_Q_LEN] if broadcast_q else list(lengths)
     rows_q, rows_kv = sum(q_lens), sum(lengths)
@@ -979,6 +981,9 @@ class CheckReport(Report):
         return out + self.extra
 
 
+UNSUPPORTED_OPTIONS = {"block": ("causal", "window", "broadcast_q"), "block_sparse": ("window", "broadcast_q")}
+
+
 def _fresh_seed() -> int:
     """A new seed for every check, from the OS (the global torch seed stays as the notebook set it)."""
     import secrets
@@ -1003,6 +1008,10 @@ def check(target=None, *, lengths=None, heads=HEADS, head_dim: int = HEAD_DIM, d
     t = _target(target)
     heads_ = _heads(heads)
     lengths = CHECK_LENGTHS if lengths is None else tuple(int(n) for n in lengths)
+    given = dict(causal=causal, window=window, broadcast_q=broadcast_q)
+    for option in UNSUPPORTED_OPTIONS.get(t.kind, ()):
+        if given[option] not in (None, False):
+            raise ValueError(f"{option}: {t.label} has no {option} option")
     options = dict(lengths=lengths, heads=heads_, head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                    broadcast_q=broadcast_q, params=tuple(params), density=density, backward=backward)
     flags = ", ".join([f"D={head_dim}", str(dtype).replace("torch.", ""), f"heads {heads_[0]}/{heads_[1]}"]
@@ -1037,7 +1046,7 @@ def _timer():
 
 
 def _time_jagged_case(case: Case, variant=None, params: tuple = (), peers: Iterable[str] = PEERS,
-                      timer=None, base: bool = True) -> list[dict]:
+                      timer=None, base: bool = True, device=None) -> list[dict]:
     """Bench rows (fwd and bwd) of one case on this GPU: the unforked kernel (jfa.jagged_attention),
     `variant` with `params`, and each peer (through `jfa.workbench.providers`, which runs them without
     masks: with causal or a window they are left out, saying so). Every call validates its inputs, the
@@ -1046,14 +1055,15 @@ def _time_jagged_case(case: Case, variant=None, params: tuple = (), peers: Itera
     from jfa.workbench import bench, providers
 
     timer = timer or _timer()
+    device = device or LIVE_DEVICE
     bench_case = case.bench_case()
-    problem = bench.make_problem(bench_case, "cuda", 0)
+    problem = bench.make_problem(bench_case, device, 0)
     q, k, v = problem.q, problem.k, problem.v
     q_off, kv_off = problem.q_offsets.cpu(), problem.kv_offsets.cpu()
     options = dict(causal=case.causal, window=case.window, broadcast_q=case.broadcast_q)
     flops = {p: specs.attention_flops(problem.q_lens, problem.kv_lens, case.heads, case.head_dim, pass_=p,
                                       causal=case.causal, window=case.window) for p in ("fwd", "bwd")}
-    params_dev = _on(tuple(params), "cuda")
+    params_dev = _on(tuple(params), device)
 
     def rows_of(provider: str, result: dict, error: str | None, notes=()) -> list[dict]:
         return [bench.make_row(bench_case, provider, p, ms=result.get(p), flops=flops[p], ok=p in result,
@@ -1064,7 +1074,8 @@ def _time_jagged_case(case: Case, variant=None, params: tuple = (), peers: Itera
             grad_out = torch.randn_like(call())
             fwd_bwd = lambda: torch.autograd.grad(call(), (q, k, v), grad_out)  # noqa: E731
             fwd_bwd()  # compile and first touch, untimed
-            torch.cuda.synchronize()
+            if q.is_cuda:
+                torch.cuda.synchronize()
             return rows_of(provider, bench.time_passes(("fwd", "bwd"), call, fwd_bwd, timer, []), None)
         except Exception as exc:  # a fork that fails is a row saying why
             return rows_of(provider, {}, f"{type(exc).__name__}: {exc}")
@@ -1094,6 +1105,9 @@ def _time_jagged_case(case: Case, variant=None, params: tuple = (), peers: Itera
         finally:
             bench.clear_grads([problem])
     return rows
+
+
+NOTE_CHARS = 240  # of a failed row's error shown under a table
 
 
 def fork_label(variant) -> str:
@@ -1126,7 +1140,8 @@ class Benchmark(Report):
             text = "no numbers" + ("".join(f"\n{n}" for n in self.notes))
             return [Section("", f"<div>{_esc(text)}</div>", text)]
         html_, text = _speed_table(self.rows)
-        failed = sorted({f"{r['provider']}: {r['error']}" for r in self.rows if not r.get("ok") and r.get("error")})
+        failed = sorted({f"{r['provider']}: {r['error'][:NOTE_CHARS]}" for r in self.rows
+                         if not r.get("ok") and r.get("error")})
         notes = self.notes + failed
         if notes:
             html_ += "".join(f"<div style='font-size:12px'>{_esc(n)}</div>" for n in notes)
@@ -1146,10 +1161,13 @@ def benchmark(variant=None, *, params: tuple = (), cases: Iterable[Case] | None 
     cases = tuple(DEFAULT_CASES if cases is None else cases)
     peers = tuple(peers)
     if _live(live):
-        rows = []
+        rows, notes = [], []
         for case in cases:
-            rows += _time_jagged_case(case, variant, params, peers, timer)
-        return Benchmark(rows, f"measured live on {machine().why}", True)
+            try:
+                rows += _time_jagged_case(case, variant, params, peers, timer)
+            except Exception as exc:  # a case that cannot be built or run here is a note, the others still run
+                notes.append(f"{case.label}: {type(exc).__name__}: {exc}")
+        return Benchmark(rows, f"measured live on {machine().why}", True, notes)
     notes = []
     if variant is not None:
         notes.append(f"{fork_label(variant)}: not measured (its speed needs a Hopper GPU)")
@@ -1291,7 +1309,7 @@ def _live_render(measure: Callable[[Case], dict]):
             f", window={window}" if window else "") + (f", broadcast-Q q={broadcast_q}" if broadcast_q else "")
         fig.update_layout(title=f"live: {options}", height=420, margin=dict(l=60, r=20, t=70, b=60))
         verdicts = "; ".join(f"L={n}: {'pass' if point['check'].passed else 'FAIL'}" for n, point in points.items())
-        notes = sorted({f"{r['provider']}: {r['error']}" for mine in rows.values() for r in mine
+        notes = sorted({f"{r['provider']}: {r['error'][:NOTE_CHARS]}" for mine in rows.values() for r in mine
                         if not r.get("ok") and r.get("error")})
         return fig, [_text_bundle("checks (kernel against the fp32 reference, small batch): " + verdicts
                                   + "".join(f"\n{n}" for n in notes))]
