@@ -171,7 +171,7 @@ def _hand_off_dq(ds_t_low, k_tile, handoff, step, key, q_row0, head, sm_scale, c
         # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
         # clips rows past the tensor end.
         reduce_add_rows(handoff.desc_dq, handoff.dq_stages[0], dq, sm_scale, handoff.row0 + key.q_start + q_row0,
-                        head * CFG.HEAD_DIM)
+                        head, CFG.HEAD_DIM)
     else:
         tlx.barrier_wait(handoff.empties[slot], phase ^ 1)
         tlx.local_store(handoff.dq_stages[1 + slot], dq)
@@ -234,7 +234,7 @@ def _split_dq_step(q_tile, do_tile, k_buffers, kv_slot, v_tile, p_stage, ds_stag
     dq = tlx.async_dot_wait(1, dq)  # every group but dK's
     # The whole box is added: rows past the sequence end hold exact zeros (their dS is 0), and TMA
     # clips rows past the tensor end.
-    reduce_add_rows(desc_dq, dq_stage, dq, sm_scale, dq_row0 + key.q_start + q_row0, head * CFG.HEAD_DIM + cid * HALF_D)
+    reduce_add_rows(desc_dq, dq_stage, dq, sm_scale, dq_row0 + key.q_start + q_row0, head, CFG.HEAD_DIM, cid * HALF_D)
     dv = tlx.async_dot_wait(0, dv)
     dk = tlx.async_dot_wait(0, dk)
     return dk, dv, next_lse_log2, next_delta
@@ -303,10 +303,10 @@ def _load_halves(desc, buffers, slot, empty, phase, full, BYTES: tl.constexpr, r
 # Integers that change with the problem are not specialized (Triton would otherwise compile a variant
 # for every combination of "divisible by 16" and "== 1" among them).
 @triton.jit(do_not_specialize=["stride_lse_head", "stride_delta_head", "dq_partial_stride", "dq_partial_rows",
-                               "num_q_heads", "kv_blocks_per_seq", "broadcast_q_len", "window", "gqa_group"])
+                               "num_kv_heads", "kv_blocks_per_seq", "broadcast_q_len", "window", "gqa_group"])
 def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, dq_accum_ptr, dk_ptr, dv_ptr,
                  q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries_ptr, stride_lse_head, stride_delta_head,
-                 stride_dq_row, dq_partial_stride, dq_partial_rows, stride_dkv_row, num_q_heads, kv_blocks_per_seq,
+                 stride_dq_row, dq_partial_stride, dq_partial_rows, stride_dkv_row, num_kv_heads, kv_blocks_per_seq,
                  broadcast_q_len, window, gqa_group, qk_scale_log2, sm_scale, fork_params, CFG: tl.constexpr,
                  FORK: tl.constexpr):
     HEAD_DIM: tl.constexpr = CFG.HEAD_DIM
@@ -322,9 +322,8 @@ def _dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse_ptr, delta_ptr, d
     KV_HALF_BYTES: tl.constexpr = KEYS * HEAD_DIM * tlx.size_of(dtype)
 
     num_entries = tl.load(num_entries_ptr)
-    problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_q_heads, kv_blocks_per_seq,
+    problem = Problem(q_offsets_ptr, kv_offsets_ptr, tile_entries_ptr, num_entries, num_kv_heads, kv_blocks_per_seq,
                       broadcast_q_len, window, gqa_group, fork_params)
-    num_kv_heads = num_q_heads // gqa_group
     num_tiles = num_entries * num_kv_heads
     first_tile = tl.program_id(0)
     tile_stride = tl.num_programs(0)
@@ -581,7 +580,7 @@ def launch(dout, q, k, v, lse, delta, dk, dv, dq_accum, q_offsets, kv_offsets, s
                                                               dq_box_cols(config)),
         lse, delta, dq_accum, dk, dv, q_offsets, kv_offsets, schedule.entries, schedule.num_entries, lse.stride(0),
         delta.stride(0), q_heads * config.HEAD_DIM, dq_accum[0].numel() if copies > 1 else 0, dq_partial_rows,
-        k.shape[1] * config.HEAD_DIM, q_heads, schedule.kv_blocks_per_seq, q.shape[0] if config.BROADCAST_Q else 0,
+        k.shape[1] * config.HEAD_DIM, k.shape[1], schedule.kv_blocks_per_seq, q.shape[0] if config.BROADCAST_Q else 0,
         0 if window is None else window, q_heads // k.shape[1], qk_scale_log2, sm_scale, fork_params,
         num_warps=PRODUCER_WARPS, num_stages=num_stages(config), CFG=config, FORK=fork)
 
@@ -598,7 +597,7 @@ def inspect_spec(config: DKDVConfig, dtype: torch.dtype = torch.bfloat16, fork=D
                      delta_ptr="*fp32", dq_accum_ptr="*fp32", dk_ptr=f"*{name}", dv_ptr=f"*{name}",
                      q_offsets_ptr="*i32", kv_offsets_ptr="*i32", tile_entries_ptr="*i32", num_entries_ptr="*i32",
                      stride_lse_head="i32", stride_delta_head="i32", stride_dq_row="i32", dq_partial_stride="i64",
-                     dq_partial_rows="i32", stride_dkv_row="i32", num_q_heads="i32", kv_blocks_per_seq="i32",
+                     dq_partial_rows="i32", stride_dkv_row="i32", num_kv_heads="i32", kv_blocks_per_seq="i32",
                      broadcast_q_len="i32", window="i32", gqa_group="i32", qk_scale_log2="fp32", sm_scale="fp32",
                      fork_params=params_signature or "constexpr", CFG="constexpr", FORK="constexpr")
     constexprs = dict(CFG=config, FORK=fork)

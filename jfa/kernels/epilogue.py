@@ -70,11 +70,12 @@ def store_key_rows(ptr, x, kv_rows, row_ok, kv_head, stride_row, HEAD_DIM: tl.co
 
 
 @triton.jit
-def reduce_add_rows(desc, stage, x, scale, row, col):
-    """Add fp32 `x * scale` into the box at (row, col) of `desc`'s tensor by one TMA reduce-add
-    (`cp.reduce.async.bulk`), through `stage`; the previous reduce-add from `stage` has read it before
-    it is rewritten (the wait comes first, so the scaling does not hold `x` twice meanwhile)."""
+def reduce_add_rows(desc, stage, x, scale, row, head, HEAD_DIM: tl.constexpr, COL_OFFSET: tl.constexpr = 0):
+    """Add fp32 `x * scale` into the box at row `row`, columns head * HEAD_DIM + COL_OFFSET .., of
+    `desc`'s tensor by one TMA reduce-add (`cp.reduce.async.bulk`), through `stage`. The previous
+    reduce-add from `stage` has read it before it is rewritten: the wait comes first, and the scaling
+    and the box's column after it, so that nothing waits with them in registers."""
     tlx.async_descriptor_store_wait(0)
     tlx.local_store(stage, x * scale)
     tlx.fence_async_shared()
-    tlx.async_descriptor_store(desc, stage, [row, col], store_reduce="add")
+    tlx.async_descriptor_store(desc, stage, [row, head * HEAD_DIM + COL_OFFSET], store_reduce="add")

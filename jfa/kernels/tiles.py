@@ -100,7 +100,7 @@ class Problem(NamedTuple):
     kv_offsets_ptr: object
     tile_entries_ptr: object
     num_entries: object  # the list's real entries (read once by each program)
-    num_q_heads: object
+    num_heads: object  # the heads the list is walked for: query heads (forward, dQ), key heads (dK/dV)
     blocks_per_seq: object  # query blocks (forward, dQ) or key blocks (dK/dV) per sequence
     broadcast_q_len: object  # the shared query's rows with broadcast-Q, else 0
     window: object
@@ -170,7 +170,7 @@ def query_tile(tile, problem, FORK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
     and head share `q_key`, so a program keeps their Q loaded.
     """
     if HEADS_PER_TILE == 2:
-        head_groups = problem.num_q_heads // HEADS_PER_TILE
+        head_groups = problem.num_heads // HEADS_PER_TILE
         head = (tile % head_groups) * HEADS_PER_TILE
         entry = tl.load(problem.tile_entries_ptr + tile // head_groups)
     else:
@@ -181,7 +181,7 @@ def query_tile(tile, problem, FORK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
     q_start, q_len, out_row0, kv_start, kv_len = sequence_rows(seq, problem.q_offsets_ptr, problem.kv_offsets_ptr,
                                                                problem.broadcast_q_len, BROADCAST_Q)
     if REUSE_Q:
-        q_key = q_block * problem.num_q_heads + head
+        q_key = q_block * problem.num_heads + head
     else:
         q_key = tile
     row_lo = q_block * BLOCK_M
@@ -265,9 +265,8 @@ def key_tile(tile, problem, share, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BROADCAST_Q: tl.constexpr):
     """Decode a tile id of the key-tile list (head-minor: tile t is entry t // Hkv, key head t % Hkv);
     `share` picks which KEYS columns `cols` holds (a consumer's half)."""
-    num_kv_heads = problem.num_q_heads // problem.gqa_group
-    entry = tl.load(problem.tile_entries_ptr + tile // num_kv_heads)
-    kv_head = tile % num_kv_heads
+    entry = tl.load(problem.tile_entries_ptr + tile // problem.num_heads)
+    kv_head = tile % problem.num_heads
     seq = entry // problem.blocks_per_seq
     col0 = (entry % problem.blocks_per_seq) * BLOCK_N
     q_start, q_len, out_row0, kv_start, kv_len = sequence_rows(seq, problem.q_offsets_ptr, problem.kv_offsets_ptr,
