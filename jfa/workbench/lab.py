@@ -130,10 +130,10 @@ class Report:
     def figures(self) -> list:
         return [fig for s in self.sections() for fig in s.figures]
 
-    def html(self, *, figures: bool = False) -> str:
+    def html(self, *, figures: bool = False, headline: bool = True) -> str:
         """The report as an HTML fragment; with `figures`, plotly figures as divs that need plotly.js
-        on the page (the write-up inlines it)."""
-        parts = [f'<div style="font-weight:bold;margin:4px 0">{_esc(self.headline())}</div>']
+        on the page (the write-up inlines it); without `headline`, for a page that shows it as a heading."""
+        parts = [f'<div style="font-weight:bold;margin:4px 0">{_esc(self.headline())}</div>'] if headline else []
         for s in self.sections():
             if s.title:
                 parts.append(f'<div style="font-weight:bold;margin:8px 0 2px">{_esc(s.title)}</div>')
@@ -164,6 +164,9 @@ class Report:
     def _ipython_display_(self):
         from IPython.display import display
 
+        if not self.figures():  # one output: the whole report
+            display({"text/html": self.html(), "text/plain": repr(self)}, raw=True)
+            return
         for bundle in self.bundles():
             display(bundle, raw=True)
 
@@ -629,7 +632,8 @@ def compile_kernels(target=None, *, head_dim: int = HEAD_DIM, dtype=torch.bfloat
         base = compile_kernels("jagged", head_dim=head_dim, dtype=dtype, causal=causal, window=window,
                                broadcast_q=broadcast_q, kernels=[k for k in found if k in KERNEL_LABELS])
     what = f"{t.label}, D={head_dim} {str(dtype).replace('torch.', '')}" + (", causal" if causal else "") + (
-        f", window={window}" if window is not None else "") + (", broadcast-Q" if broadcast_q else "")
+        f", window={window}" if window is not None else "") + (", broadcast-Q" if broadcast_q else "") + (
+        ", configured as for a GEM-like batch (B=1152, L=1024)" if t.kind != "block" else "")
     return CompileReport(what, {name: _inspect(spec) for name, spec in found.items()}, baseline=base,
                          labels=BLOCK_KERNEL_LABELS if t.kind == "block" else KERNEL_LABELS)
 
@@ -1573,7 +1577,7 @@ def _section_html(obj) -> tuple[str, str]:
             return heading, "".join(f"<p>{_esc(p)}</p>" for p in body.split("\n\n"))
         return heading, _section_html(body)[1]
     if isinstance(obj, Report):
-        return obj.headline(), obj.html(figures=True)
+        return obj.headline(), obj.html(figures=True, headline=False)
     if hasattr(obj, "to_plotly_json"):
         return (obj.layout.title.text or "figure"), _figure_div(obj)
     if hasattr(obj, "_repr_html_"):
@@ -1599,7 +1603,7 @@ def write_up(path, *, title: str, variant=None, params: tuple = (), summary: str
     if summary:
         parts.append(("Summary", "".join(f"<p>{_esc(p)}</p>" for p in summary.split("\n\n"))))
     if variant is not None:
-        parts.append((f"The variant {variant.name!r}: its hooks", show(variant).html()))
+        parts.append((f"The variant {variant.name!r}: its hooks", show(variant).html(headline=False)))
         if check is None:
             if _live(live):
                 check = check_fn(variant, params=params, live=True, compile=False)
@@ -1607,11 +1611,11 @@ def write_up(path, *, title: str, variant=None, params: tuple = (), summary: str
                 check = ForkReport(variant, None, None, _cpu_checks(variant, tuple(params)), None,
                                    [f"The kernel check needs a Hopper GPU ({machine().why})."])
     if check is not None:
-        parts.append((f"Correctness: {check.headline()}", check.html(figures=True)))
+        parts.append((f"Correctness: {check.headline()}", check.html(figures=True, headline=False)))
     if bench is None and (variant is not None or cases is not None):
         bench = benchmark(variant, params=params, cases=cases, results=results, live=live)
     if bench is not None:
-        parts.append((f"Speed: {bench.source}", bench.html(figures=True)))
+        parts.append((f"Speed: {bench.source}", bench.html(figures=True, headline=False)))
     parts += [_section_html(s) for s in sections]
     parts.append(_environment_section())
     body = "\n".join(f"<h2>{_esc(h)}</h2>\n{content}" for h, content in parts)
