@@ -64,6 +64,7 @@ TEST_MODULES = {"jagged": ("tests/gpu/test_jagged_fwd.py", "tests/gpu/test_jagge
 BENCH_SUITE = {"block": "block", "block_sparse": "block_sparse", "fp8": "fp8"}  # kinds the head-to-head lacks
 SKIP_COUNT_LENGTH = 2048  # the sequence over which a block mask's skipped key tiles are counted
 BLOCK_MASK_CHECKS = ((64, 64), (64, 128), (128, 64), (128, 128))  # the kernels' row and key tile sizes
+BLOCK_MASK_CHECK_LENGTH = 700  # queries and keys of the sequence a block mask is checked over
 
 LIVE_DEVICE = "cuda"  # where live checks and timings run (tests run the plumbing on the CPU through it)
 
@@ -498,12 +499,6 @@ def _heads(heads) -> tuple[int, int]:
     return int(q_heads), int(kv_heads)
 
 
-def _params_signature(params: tuple):
-    from jfa import variants
-
-    return variants._params_signature(params)
-
-
 def _gem_shape(head_dim: int, causal: bool, window, broadcast_q: bool, **flags):
     """The GEM-like batch `Variant.kernel_specs` compiles for (1152 sequences, L=1024), with `flags`."""
     from jfa import configs
@@ -526,7 +521,7 @@ def _kernel_specs(t: _Target, head_dim: int, dtype, causal: bool, window, broadc
     elif t.kind == "jagged":
         found = Variant("jagged", DEFAULT_FORK).kernel_specs(head_dim, dtype, causal=causal, window=window,
                                                              broadcast_q=broadcast_q)
-    elif t.kind == "block_sparse":
+    elif t.kind == "block_sparse":  # at this batch the runner's base tiles are the configured ones
         from jfa.kernels.forks.block_sparse import BLOCK_SPARSE_FORK
 
         selection = (torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), 1, 1, 1)
@@ -1223,6 +1218,10 @@ class Sweep:
     def values(self) -> dict:
         return {name: control.value for name, control in self.controls.items()}
 
+    def status(self, text: str) -> None:
+        """Show one line in place of the plot while the panel works (a live measurement)."""
+        self.output.outputs = ({"output_type": "display_data", "data": _text_bundle(text), "metadata": {}},)
+
     def refresh(self):
         """Redraw with the controls' current values: the Output's content is replaced whole."""
         figure, parts = self._render(self, **self.values())
@@ -1291,6 +1290,7 @@ def _live_render(measure: Callable[[Case], dict]):
             case = Case(max_len=length, sparsity=sparsity, batch=batch, head_dim=head_dim, dtype=dtype,
                         causal=causal, window=window, q_len=broadcast_q)
             if case not in panel.points:
+                panel.status(f"measuring {case.label} (a check, then the timings) ...")
                 panel.points[case] = measure(case)
             points[length] = panel.points[case]
         fig = make_subplots(rows=1, cols=2, subplot_titles=(f"{pass_} TFLOP/s", "check: relative error"),
@@ -1391,15 +1391,13 @@ def _cpu_checks(variant, params: tuple) -> list[tuple[str, bool | None, str]]:
             out.append(("score_grad is the derivative of score_mod (central differences, float64)", True, "ok"))
         except Exception as exc:  # the check's own message says what is wrong
             out.append(("score_grad is the derivative of score_mod (central differences, float64)", False, str(exc)))
-    if fork.block_mask is not None:
-        heads = max((p.numel() for p in params if torch.is_tensor(p)), default=1)
-        heads = heads if heads <= 16 else 1
+    if fork.block_mask is not None:  # over the lab's HEADS heads, which per-head params are sized for
         try:
             for block_m, block_n in BLOCK_MASK_CHECKS:
-                variant.check_block_mask(700, 700, params=params, heads=min(heads, HEADS), block_m=block_m,
-                                         block_n=block_n)
-            out.append(("block_mask never rules out a block that mask_mod sees (700 x 700, the kernels' tiles)",
-                        True, "ok"))
+                variant.check_block_mask(BLOCK_MASK_CHECK_LENGTH, BLOCK_MASK_CHECK_LENGTH, params=params, heads=HEADS,
+                                         block_m=block_m, block_n=block_n)
+            out.append((f"block_mask never rules out a block that mask_mod sees ({BLOCK_MASK_CHECK_LENGTH} x "
+                        f"{BLOCK_MASK_CHECK_LENGTH}, the kernels' tiles)", True, "ok"))
         except Exception as exc:
             out.append(("block_mask never rules out a block that mask_mod sees", False, str(exc)))
     operands = set(_fork_hooks(fork)) & {"value_shape", "load_values", "value_operand", "pv", "scale_output"}
@@ -1435,6 +1433,7 @@ def _reference_change(variant, params: tuple, causal: bool, window) -> tuple[flo
     hooks change the math at all (no kernel involved)."""
     from jfa import reference
 
+    params = _on(params, "cpu")
     gen = torch.Generator().manual_seed(0)
     lengths = (1, 100, 600)
     off = _offsets(lengths, "cpu")
