@@ -257,11 +257,22 @@ def published(monkeypatch):
 
 
 def _panel_outputs(outputs):
-    """The outputs below the controls: every one must carry the panel's display id."""
+    """The renders below the controls: every output must carry the panel's display id; a figure's
+    update is preceded by a blank of its height (a new renderer for each figure in JupyterLab)."""
     rendered = [o for o in outputs if WIDGET_VIEW not in o["data"]]
     ids = {(o["transient"] or {}).get("display_id") for o in rendered}
     assert None not in ids and len(ids) == 1, f"a render went to an output of its own: {rendered}"
-    return rendered
+    renders = []
+    for o in rendered:
+        if "text/html" in o["data"] and 'style="height' in o["data"]["text/html"]:
+            assert o["update"], "a blank is only ever an update"
+            continue
+        if renders and PLOTLY in o["data"]:
+            blank = rendered[rendered.index(o) - 1]["data"]
+            height = o["data"][PLOTLY]["layout"]["height"]
+            assert blank.get("text/html") == f'<div style="height: {height}px"></div>', blank
+        renders.append(o)
+    return renders
 
 
 def test_panel_renders_once_and_again_on_change(published):
@@ -292,7 +303,7 @@ def test_ring_panel_replaces_its_figure_in_place(published):
     rendered = _panel_outputs(published)
     assert [o["update"] for o in rendered] == [False, True]
     titles = [o["data"][PLOTLY]["layout"]["title"]["text"] for o in rendered]
-    assert titles[0].startswith("depth 2:") and titles[1].startswith("depth 3:")
+    assert titles[0].startswith("depth 2: 26 ticks") and titles[1].startswith("depth 3: 20 ticks")
 
 
 def test_gem_sweep_panel_replaces_its_bars_in_place(published):

@@ -494,13 +494,28 @@ def mime_bundle(obj) -> tuple[dict, dict]:
     return data or {"text/plain": repr(obj)}, metadata
 
 
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def _placeholder(data: dict) -> dict:
+    """A blank of the figure's height (text/html), or an empty line: what a panel's output shows for
+    the moment between two renders."""
+    height = (data.get(PLOTLY_MIME) or {}).get("layout", {}).get("height")
+    if height:
+        return {"text/html": f'<div style="height: {int(height)}px"></div>', "text/plain": ""}
+    return {"text/plain": ""}
+
+
 def panel(controls: dict, render: Callable[..., object]) -> Callable[[], object]:
     """Show `controls` (name -> ipywidget) and `render(**values)` below them, re-rendered in place.
 
     The first render is one output with a display id, so a headless execution stores it as a static
-    output; in JupyterLab each change of a control replaces that same output with the new render
-    (a figure is published as its mime bundle, `mime_bundle`, so it lands in the panel, never in a
-    new output). Returns a function that re-renders with the controls' current values (what a test
+    output; each change of a control replaces that same output with the new render. A figure goes
+    out as its mime bundle (`mime_bundle`): displaying itself, it would land in a new output (the Log
+    Console, from a widget's callback). JupyterLab keeps an output's renderer while the output's
+    mime type stays the same, and plotly's renderer draws once and ignores later data; so a rich
+    render replaces first a blank of its height, then the blank, and each figure gets a renderer
+    of its own. Returns a function that re-renders with the controls' current values (what a test
     can call), its `controls` the controls by name."""
     import ipywidgets
     from IPython.display import DisplayHandle, display
@@ -516,6 +531,8 @@ def panel(controls: dict, render: Callable[..., object]) -> Callable[[], object]
     def refresh(_change=None):
         result = render(**values())
         data, metadata = mime_bundle(result)
+        if set(data) - {"text/plain"}:
+            handle.update(_placeholder(data), raw=True)
         handle.update(data, metadata=metadata, raw=True)
         return result
 
@@ -538,14 +555,16 @@ class Text:
         return {"text/plain": self.text}
 
 
-def ring_panel(n_tiles: int = 8):
-    """Ring depth and the load/compute ticks as sliders; the Gantt chart and stall counts below."""
+def ring_panel(n_tiles: int = 8, depth: int = 2, load_ticks: int = 4, compute_ticks: int = 2):
+    """Ring depth and the load/compute ticks as sliders; the Gantt chart and stall counts below.
+
+    It opens on loads slower than compute, where one more slot is one more load in flight."""
     import ipywidgets
 
     controls = {
-        "depth": ipywidgets.IntSlider(value=2, min=1, max=6, description="ring depth"),
-        "load_ticks": ipywidgets.IntSlider(value=2, min=1, max=6, description="load ticks"),
-        "compute_ticks": ipywidgets.IntSlider(value=3, min=1, max=6, description="compute ticks"),
+        "depth": ipywidgets.IntSlider(value=depth, min=1, max=6, description="ring depth"),
+        "load_ticks": ipywidgets.IntSlider(value=load_ticks, min=1, max=6, description="load ticks"),
+        "compute_ticks": ipywidgets.IntSlider(value=compute_ticks, min=1, max=6, description="compute ticks"),
     }
 
     def render(depth, load_ticks, compute_ticks):
