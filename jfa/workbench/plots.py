@@ -16,7 +16,10 @@ from jfa import specs
 # A small template of our own: the stock ones repeat ~8 KB of styling inside every figure's JSON,
 # which a report of dozens of figures would pay again and again.
 _AXIS = dict(showline=True, linecolor="black", ticks="outside", gridcolor="#e5e5e5")
-FIGURE_TEMPLATE = go.layout.Template(layout=dict(plot_bgcolor="white", xaxis=_AXIS, yaxis=dict(_AXIS, showgrid=True)))
+# Titles start at the left, as in the notebooks' plotly_white: a centred long title runs under the
+# mode bar plotly shows at the top right.
+FIGURE_TEMPLATE = go.layout.Template(layout=dict(plot_bgcolor="white", title=dict(x=0.05), xaxis=_AXIS,
+                                                 yaxis=dict(_AXIS, showgrid=True)))
 # One color per provider in every figure, so jfa is the same blue in all of them.
 COLORWAY = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 PROVIDER_COLORS = dict(zip(specs.BENCH_PROVIDERS, COLORWAY))

@@ -2,7 +2,7 @@
 
 This is what a user does after `make lab`: the lab opens on notebook 00 with the repository in the
 file browser; they run every cell and read the outputs; in notebook 02 they move the ring panel's
-slider and watch its chart redraw. The server is started by `make lab` itself (the Makefile's
+slider and watch its chart redraw, in 03 they pick other cases of the GEM sweep. The server is started by `make lab` itself (the Makefile's
 target, with its root and notebook; the test adds only --no-browser, an address, a random token and
 `expose_app_in_browser`), and the page opened is the one the server writes for a browser to open.
 Chromium comes from Debian (`apt-get install chromium chromium-driver`); selenium drives it through
@@ -37,6 +37,7 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 START_HERE = "notebooks/00_start_here.ipynb"
 PIPELINES = "notebooks/02_pipelines_and_buffers.ipynb"
+JAGGED = "notebooks/03_jagged_attention.ipynb"
 ROOT_ENTRIES = ("README.md", "docs", "tutorials", "results", "notebooks")  # what the file browser must list
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -58,6 +59,8 @@ T01_CHECK_LINES = ("t01 check passed", "t01 reference on CPU", "t01 kernel not r
 BROKEN_OUTPUT = ("Error displaying widget", "Loading widget...", "model not found", "Traceback")
 RING_PANEL = "jw.ring_panel()"
 BUDGET_PANEL = "jw.budget_panel()"
+GEM_PANEL = "jw.gem_sweep_panel(RESULTS)"
+SETUP_CELL = "jw.setup_notebook()"
 
 
 def _free_port() -> int:
@@ -200,6 +203,20 @@ def _run_all(driver):
         {CURRENT}.sessionContext.ready
           .then(() => app.commands.execute('notebook:clear-all-cell-outputs'))
           .then(() => app.commands.execute('notebook:run-all-cells'));""")
+
+
+def _run_cells(driver, *sources: str) -> None:
+    """Run, in notebook order, only the code cells that hold one of `sources`."""
+    driver.execute_script(f"""
+        const app = window.jupyterapp, w = {CURRENT}, nb = w.content, wanted = arguments[0];
+        const picked = nb.widgets.map((c, i) => [c, i]).filter(([c]) => c.model.type === 'code'
+            && wanted.some(s => c.model.sharedModel.getSource().includes(s))).map(([, i]) => i);
+        window.jfaRan = false;
+        (async () => {{
+            await w.sessionContext.ready;
+            for (const i of picked) {{ nb.activeCellIndex = i; await app.commands.execute('notebook:run-cell'); }}
+            window.jfaRan = true;
+        }})();""", list(sources))
 
 
 def _all_cells_ran(driver) -> bool:
@@ -376,3 +393,52 @@ def test_ring_panel_redraws_in_place(lab, browser, artifacts):
     _screenshot(browser, artifacts, "02-budget-3-stages", "budget")
     assert browser.execute_script("return window.jfaStray") == [], "outputs went to the Log Console"
     assert _digest(PIPELINES) == on_disk, "the test modified the notebook"
+
+
+def test_gem_sweep_panel_redraws_in_place(lab, browser, artifacts):
+    """Notebook 03's GEM sweep (its setup cell and the panel's cell): L=2048 and the backward, then
+    L=256, chosen from the dropdowns; each time the bars in the cell are the chosen case's."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    url, base, token = lab
+    on_disk = _digest(JAGGED)
+    _open(browser, f"{base}/lab/tree/{JAGGED}?token={token}", JAGGED)
+    _mark_cell(browser, GEM_PANEL, "gem")
+    _run_cells(browser, SETUP_CELL, GEM_PANEL)
+
+    def drawn():
+        state = _cell_state(browser, "gem")
+        return state if browser.execute_script("return window.jfaRan") and state["plots"] == 1 \
+            and state["titles"][0] else None
+    before = _wait_for(drawn, RUN_ALL_S, "the GEM sweep panel's chart", lambda: _page_text(browser))
+    assert "L=1024,s=0.5: fwd" in before["titles"][0], before
+    assert not [b for b in BROKEN_OUTPUT if b in before["text"]], before["text"]
+    _screenshot(browser, artifacts, "03-gem-L1024-fwd", "gem")
+    _listen_for_stray_outputs(browser)
+
+    def choose(label: str, option: str) -> None:
+        cell = browser.find_element(By.CSS_SELECTOR, '[data-jfa-cell="gem"]')
+        box = next(d for d in cell.find_elements(By.CSS_SELECTOR, ".widget-dropdown")
+                   if d.find_element(By.CSS_SELECTOR, ".widget-label").text.strip() == label)
+        Select(box.find_element(By.TAG_NAME, "select")).select_by_visible_text(option)
+
+    def shows(case: str):
+        def check():
+            state = _cell_state(browser, "gem")
+            return state if state["titles"] and case in state["titles"][0] else None
+        return _wait_for(check, REDRAW_S, f"the GEM chart to show {case}",
+                         lambda: json.dumps(_cell_state(browser, "gem"), indent=1))
+
+    choose("L", "2048")
+    shows("L=2048,s=0.5: fwd")
+    choose("pass", "bwd")
+    long_bwd = shows("L=2048,s=0.5: bwd")
+    _screenshot(browser, artifacts, "03-gem-L2048-bwd", "gem")
+    choose("L", "256")
+    short_bwd = shows("L=256,s=0.5: bwd")
+    _screenshot(browser, artifacts, "03-gem-L256-bwd", "gem")
+    for state in (long_bwd, short_bwd):
+        assert (state["plots"], state["outputs"]) == (1, before["outputs"]), (before, state)
+    assert browser.execute_script("return window.jfaStray") == [], "outputs went to the Log Console"
+    assert _digest(JAGGED) == on_disk, "the test modified the notebook"
