@@ -107,7 +107,8 @@ def test_runtime_and_kernels_never_import_the_workbench(name):
 def test_kernels_import_only_kernels_and_the_shared_facts(name):
     outside = sorted(m for m in GRAPH[name] if not _within(m, KERNELS) and m not in KERNEL_IMPORTS_BESIDES_KERNELS)
     assert not outside, (f"{name} (kernels) imports {outside}: a kernel module imports only jfa.kernels.* and "
-                         f"{', '.join(KERNEL_IMPORTS_BESIDES_KERNELS)}; move what it needs into the kernels or pass it in")
+                         f"{', '.join(KERNEL_IMPORTS_BESIDES_KERNELS)}; move what it needs into the kernels or pass "
+                         "it in")
 
 
 def test_the_entry_point_delegates_to_the_workbench_cli():

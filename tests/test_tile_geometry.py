@@ -428,8 +428,9 @@ def test_block_sparse_key_blocks_stream_exactly_the_query_blocks_that_selected_t
         by_key = transposed_selection(selection, q_blocks)
         params = _selection_params(by_key)
         for seq, head, key_block in itertools.product(range(len(lengths)), range(HEADS), range(q_blocks)):
-            selectors = [qb for qb in range(q_blocks)
-                         if key_block in selection.blocks[seq, head, qb, :int(selection.counts[seq, head, qb])].tolist()]
+            picked = [selection.blocks[seq, head, qb, :int(selection.counts[seq, head, qb])].tolist()
+                      for qb in range(q_blocks)]
+            selectors = [qb for qb in range(q_blocks) if key_block in picked[qb]]
             cursor, count = blocks_of(torch.tensor(seq), head, key_block, 0, params, block_m, block_n)
             rows = [int(row_of(b, 0, cursor, block_m, block_n)) for b in range(int(count))]
             assert rows == [qb * SELECTION_BLOCK + t * block_m for qb in selectors for t in range(per_block)], (
