@@ -28,6 +28,13 @@ The kernel computes ``y = x * scale`` for a row-major ``x[M, N]``: each program 
 The producer is the ``default`` task (the kernel's own 4 warps); the consumer is one extra
 warpgroup. Each extra role may ask for a per-thread register budget (``registers=``, applied
 with ``setmaxnreg``); the default role runs with what the register file has left.
+
+Here nothing is short: 8 warps are 256 threads, and an SM's 65,536 registers give each of them
+256, the most ``setmaxnreg`` grants. The consumer's 232 is therefore a decrease
+(``setmaxnreg.dec 232``) and the producer keeps its 256. A budget moves registers from one role to
+another only when the roles together want more than the register file holds: with 12 warps
+(tutorial 3, the attention kernels) each thread starts with 170, and the consumers' 232 or 240
+come from the producer, which drops to 40 or 24.
 """
 import torch
 import triton
@@ -40,7 +47,7 @@ from jfa.specs import TMA_ALIGN_BYTES
 
 # Globals read inside a kernel must be constexpr.
 RING_SLOTS = tl.constexpr(2)  # double buffering: one slot is filled while the other is consumed
-CONSUMER_REGISTERS = tl.constexpr(232)  # the tile lives in registers while it is scaled
+CONSUMER_REGISTERS = tl.constexpr(232)  # below the 256 a thread may hold at 8 warps: a setmaxnreg.dec
 DEFAULT_CONFIG = dict(BLOCK_M=64, BLOCK_N=128)
 
 

@@ -63,7 +63,8 @@ def tmem_attention_kernel(q_desc, k_desc, v_desc, o_desc, seq_len, sm_scale,
     q_tile = tlx.local_alloc((BLOCK_M, HEAD_DIM), dtype, 1)
     k_ring = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_STAGES)
     v_ring = tlx.local_alloc((BLOCK_N, HEAD_DIM), dtype, NUM_STAGES)
-    # P overlays S: both start at the same TMEM column (P's fp16 pairs take half of S's bytes).
+    # S, P and O each take columns of their own: 128 + 64 (P's fp16 pairs) + HEAD_DIM, rounded up
+    # to all 512 (the docstring says why P does not overlay S here).
     s_tmem = tlx.local_alloc((BLOCK_M, BLOCK_N), tl.float32, 1, tlx.storage_kind.tmem)
     p_tmem = tlx.local_alloc((BLOCK_M, BLOCK_N), dtype, 1, tlx.storage_kind.tmem)  # A of O += P V
     o_tmem = tlx.local_alloc((BLOCK_M, HEAD_DIM), tl.float32, 1, tlx.storage_kind.tmem)
