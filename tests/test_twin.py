@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jfa.kernels import masks
 from jfa.kernels.masks import visible
 from jfa.kernels.twin import TwinPointer, torch_twin
 
@@ -99,6 +100,11 @@ def _outer(x):
 @triton.jit
 def _calls_a_kernel_building_block(q_idx, k_idx, q_len, kv_len):
     return visible(q_idx, k_idx, q_len, kv_len, 0, True, False)
+
+
+@triton.jit
+def _calls_a_building_block_through_its_module(q_idx, k_idx, q_len, kv_len):
+    return masks.visible(q_idx, k_idx, q_len, kv_len, 0, True, False)
 
 
 @triton.jit
@@ -226,6 +232,13 @@ def test_kernel_building_blocks_are_called_through_their_twins():
     k_idx = torch.arange(5)[None, :]
     seen = torch_twin(_calls_a_kernel_building_block)(q_idx, k_idx, 3, 5)
     assert torch.equal(seen, k_idx <= q_idx + (5 - 3))  # causal, bottom-right aligned
+
+
+def test_building_blocks_called_as_a_modules_attributes_run_their_twins():
+    q_idx = torch.arange(3)[:, None]
+    k_idx = torch.arange(5)[None, :]
+    seen = torch_twin(_calls_a_building_block_through_its_module)(q_idx, k_idx, 3, 5)
+    assert torch.equal(seen, torch_twin(_calls_a_kernel_building_block)(q_idx, k_idx, 3, 5))
 
 
 def test_constexpr_globals_are_their_values_and_plain_globals_pass_through():

@@ -7,7 +7,7 @@ drift, `torch_twin(fn)` rebinds the function's code to a namespace in which `tl`
 shim: the source that compiles into the kernel is the source the reference runs (autograd included).
 
 What such a function may use: arithmetic and comparison operators, `&`, `|`, `~`, `if` on
-compile-time flags, tuples, calls of other `@triton.jit` functions (twinned in turn), `x.to(dtype)`,
+compile-time flags, tuples, calls of other `@triton.jit` functions (twinned in turn, by name or as a module's attribute), `x.to(dtype)`,
 and these names of `tl`: where, minimum, maximum, abs, cdiv, exp, exp2, log, log2, sqrt, rsqrt,
 sigmoid, sin, cos, erf, floor, ceil, fma, full, zeros, arange, static_range, the math namespace,
 the dtypes, and `tl.load(pointer + offset)` of a pointer the caller passes as a `TwinPointer`. A name
@@ -96,7 +96,19 @@ def _twin_global(value):
         return torch_twin(value)
     if isinstance(value, tl.constexpr):
         return value.value
+    if isinstance(value, types.ModuleType):
+        return _TwinModule(value)
     return value
+
+
+class _TwinModule:
+    """A module as a twin sees it (`masks.visible(...)`): its attributes translated like globals."""
+
+    def __init__(self, module: types.ModuleType):
+        self._module = module
+
+    def __getattr__(self, name):
+        return _twin_global(getattr(self._module, name))
 
 
 @functools.cache
