@@ -118,6 +118,22 @@ class Plan:
     dq: DQConfig | None  # None: dQ is fused into the dK/dV kernel
 
 
+# The batch that compile-only views configure the kernels for: GEM's B and heads, sequences of at most
+# INSPECT_MAX_LEN rows averaging half of it (what a GEM s=0.5 batch looks like to `select`).
+INSPECT_MAX_LEN = 1024
+
+
+def gem_like_shape(head_dim: int = specs.GEM_HEAD_DIM, *, causal: bool = False, window: int | None = None,
+                   broadcast_q: bool = False, max_len: int = INSPECT_MAX_LEN, heads: int = specs.GEM_HEADS,
+                   **flags) -> Shape:
+    """A GEM-like batch's `Shape` (specs.GEM_BATCH sequences of mean max_len / 2): what compile-only
+    views (`Variant.kernel_specs`, `python -m jfa inspect`, the notebooks' compile reports) select for."""
+    total = specs.GEM_BATCH * (max_len // 2)
+    return Shape(head_dim=head_dim, q_heads=heads, kv_heads=heads, total_q=max_len if broadcast_q else total,
+                 total_kv=total, num_seqs=specs.GEM_BATCH, max_seq_len_q=max_len, max_seq_len_kv=max_len,
+                 causal=causal, window=window, broadcast_q=broadcast_q, **flags)
+
+
 def _mean(total: int, seqs: int) -> float:
     return total / max(seqs, 1)
 
@@ -236,17 +252,18 @@ def reachable_configs() -> dict[str, set]:
     """The configurations `select` returns over the shapes that tell its choices apart, per kernel
     (one dtype: the dtype is a kernel argument's type, not part of these)."""
     seen = {"forward": set(), "dq": set(), "dkdv": set()}
-    # query rows, key rows per sequence (means and maxima alike), sequences: short, mid, long
-    sizes = ((32, 100), (32, 2048), (200, 200), (512, 512), (1024, 1024), (4096, 4096))
-    for d, causal, window, bq, (lq, lk), seqs, det, sparse in itertools.product(
-            specs.SUPPORTED_HEAD_DIMS, (False, True), (None, 8), (False, True), sizes, (4, 1152), (False, True),
-            (False, True)):
+    # (mean, longest) rows per sequence on each side: on both sides of every bound above
+    queries = ((32, 32), (200, 200), (512, 4096), (1024, 1024), (4096, 4096))
+    keys = ((100, 100), (200, 200), (300, 512), (512, 512), (1024, 1024), (2048, 4096), (8192, 8192))
+    for d, causal, window, bq, (mean_q, max_q), (mean_kv, max_kv), seqs, det, sparse in itertools.product(
+            specs.SUPPORTED_HEAD_DIMS, (False, True), (None, 8), (False, True), queries, keys, (4, 1152),
+            (False, True), (False, True)):
         if sparse and (bq or window is not None):
             continue
-        total_q = lq if bq else lq * seqs
-        shape = Shape(head_dim=d, q_heads=4, kv_heads=4, total_q=total_q, total_kv=lk * seqs, num_seqs=seqs,
-                      max_seq_len_q=lq, max_seq_len_kv=lk, causal=causal, window=window, broadcast_q=bq,
-                      deterministic=det, base_tiles=sparse, block_sparse=sparse)
+        shape = Shape(head_dim=d, q_heads=4, kv_heads=4, total_q=max_q if bq else mean_q * seqs,
+                      total_kv=mean_kv * seqs, num_seqs=seqs, max_seq_len_q=max_q, max_seq_len_kv=max_kv,
+                      causal=causal, window=window, broadcast_q=bq, deterministic=det, base_tiles=sparse,
+                      block_sparse=sparse)
         plan = select(shape)
         seen["forward"].add(plan.forward)
         seen["dkdv"].add(plan.dkdv)

@@ -122,13 +122,7 @@ def backward(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q: int,
                                                 broadcast_q_len=q.shape[0] if broadcast_q else 0,
                                                 block_m=config.BLOCK_M, block_n=config.BLOCK_N, causal=causal,
                                                 window=window, max_seq_len_q=max_seq_len_q)
-    max_tiles = key_tiles.max_entries * kv_heads
-    if strategy == DQ_RESIDENT.value:
-        # program p takes the tiles p, p + grid, ...: all of key head p % kv_heads, so the grid is a
-        # multiple of the key heads, at least one program per head
-        programs = max(kv_heads, min(shape.num_sms, max_tiles) // kv_heads * kv_heads)
-    else:
-        programs = persistent_programs(shape.num_sms, max_tiles)
+    programs = dkdv_programs(strategy, shape.num_sms, key_tiles.max_entries, kv_heads)
     fused = strategy != DQ_NONE.value
     copies = programs if (broadcast_q and fused) else 1  # one fp32 dQ per program with broadcast-Q
     if strategy == DQ_RESIDENT.value:  # each consumer of each program writes its [BLOCK_M, D] dQ once, whole
@@ -152,6 +146,15 @@ def backward(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q: int,
     else:
         _dq_by_kernel(dout, q, k, v, lse, delta, dq, q_offsets, kv_offsets, shape, sm_scale, qk_scale_log2, fork)
     return dq, dk, dv
+
+
+def dkdv_programs(strategy: int, num_sms: int, tiles_per_head: int, kv_heads: int) -> int:
+    """The dK/dV kernel's persistent grid. Under DQ_RESIDENT program p takes the tiles p, p + grid, ...:
+    all of key head p % kv_heads, so its grid is a multiple of the key heads, at least one program each."""
+    max_tiles = tiles_per_head * kv_heads
+    if strategy == DQ_RESIDENT.value:
+        return max(kv_heads, min(num_sms, max_tiles) // kv_heads * kv_heads)
+    return persistent_programs(num_sms, max_tiles)
 
 
 def _dq_by_kernel(dout, q, k, v, lse, delta, dq, q_offsets, kv_offsets, shape, sm_scale, qk_scale_log2, fork):

@@ -161,9 +161,8 @@ class Variant:
         from jfa import configs
         from jfa.kernels import bwd_dkdv, bwd_dq, fwd_sm90
 
-        shape = configs.Shape(head_dim=head_dim, q_heads=4, kv_heads=4, total_q=1152 * 512, total_kv=1152 * 512,
-                              num_seqs=1152, max_seq_len_q=1024, max_seq_len_kv=1024, causal=causal, window=window,
-                              broadcast_q=broadcast_q, block_mask=self.fork.block_mask is not None)
+        shape = configs.gem_like_shape(head_dim, causal=causal, window=window, broadcast_q=broadcast_q,
+                                       block_mask=self.fork.block_mask is not None)
         signature = _params_signature(params)
         plan = configs.select(shape)
         return {"forward": fwd_sm90.inspect_spec(plan.forward, dtype, self.fork, signature),

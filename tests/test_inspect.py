@@ -202,3 +202,39 @@ def test_spec_default_num_stages_is_tritons():
     from triton.backends.nvidia.compiler import CUDAOptions
 
     assert KernelSpec(fn=None, signature={}, name="any").num_stages == CUDAOptions.num_stages
+
+
+def test_cli_configures_the_jagged_kernels_from_a_calls_options():
+    """The production kernels' inspect_spec takes a configuration; the CLI selects it from a call's
+    options as jfa.configs does, then UPPER-CASE keys replace its fields."""
+    from jfa import configs
+    from jfa.kernels import bwd_dkdv
+    from jfa.workbench.inspect import _spec_arguments
+
+    forward = _spec_arguments("jfa.kernels.fwd_sm90", {"head_dim": 64, "causal": True, "dtype": "x"})
+    assert forward == {"dtype": "x",
+                       "config": configs.forward_config(configs.gem_like_shape(64, causal=True))}
+    split = _spec_arguments("jfa.kernels.bwd_dkdv", {"dq": "split", "BLOCK_M": 32})["config"]
+    assert split.DQ == bwd_dkdv.DQ_SPLIT.value and split.BLOCK_M == 32
+    assert _spec_arguments("jfa.kernels.block_attn", {"direction": "backward", "rotary": True})["config"].ROTARY
+    assert _spec_arguments("tutorials.t04_attention_pingpong", {"PINGPONG": False}) == {"PINGPONG": False}
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"FOO": 1}, "not fields of DKDVConfig"),
+    ({"dq": "atomic"}, "dq: one of"),
+])
+def test_cli_names_a_wrong_option(options, message):
+    from jfa.workbench.inspect import _spec_arguments
+
+    with pytest.raises(ValueError, match=message):
+        _spec_arguments("jfa.kernels.bwd_dkdv", options)
+
+
+def test_cli_inspects_the_production_forward(capsys):
+    from jfa.workbench.inspect import main
+
+    assert main(["fwd_sm90", "head_dim=64"]) == 0
+    assert "@ sm_90" in capsys.readouterr().out
+    assert main(["block_attn", "direction=sideways"]) == 2
+    assert "direction" in capsys.readouterr().err

@@ -444,11 +444,17 @@ def main(argv: list[str]) -> int:
         prog="python -m jfa inspect",
         description="Compile a kernel without a GPU and report its warp roles, registers, shared "
                     "and tensor memory, and PTX instruction mix.",
-        epilog="examples: t01 | t04 PINGPONG=False | block_attn direction=bwd head_dim=64 | "
-               "t05 --target sm_100 | jfa.kernels.bwd_delta dtype=float16")
+        epilog="examples: t01 | t04 PINGPONG=False | fwd_sm90 head_dim=64 causal=True | "
+               "bwd_dkdv dq=split BLOCK_M=64 | block_attn direction=backward rotary=True | "
+               "t05 --target sm_100 | jfa.kernels.bwd_delta dtype=float16. The jagged kernels and block "
+               "attention take the options of a call (head_dim, causal, window, broadcast_q, max_len, heads; "
+               "bwd_dkdv's dq: none, split, handoff or resident; block_attn's direction, group, rotary) and "
+               "configure themselves as jfa.configs does for a GEM-like batch; UPPER-CASE keys then replace "
+               "fields of that configuration.")
     parser.add_argument("module", nargs="?", help="a module with inspect_spec(): dotted path, or a name "
                         f"or prefix inside {' / '.join(INSPECTABLE_PACKAGES)}; omit to list them")
-    parser.add_argument("config", nargs="*", metavar="KEY=VALUE", help="keyword arguments of inspect_spec()")
+    parser.add_argument("config", nargs="*", metavar="KEY=VALUE",
+                        help="keyword arguments of inspect_spec(), or a call's options (see below)")
     parser.add_argument("--target", choices=sorted(INSPECT_TARGETS), help="default: the kernel's own")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--ptx", action="store_true", help="also print the PTX")
@@ -459,9 +465,10 @@ def main(argv: list[str]) -> int:
         print("inspectable modules:\n" + "\n".join(f"  {name}" for name in _inspectable_modules()))
         return 0
     try:
-        module = importlib.import_module(_resolve_module(args.module))
-        report = inspect(module.inspect_spec(**_parse_config(args.config)), target=args.target,
-                         want_ptx=args.ptx, want_ttgir=args.ttgir)
+        name = _resolve_module(args.module)
+        module = importlib.import_module(name)
+        report = inspect(module.inspect_spec(**_spec_arguments(name, _parse_config(args.config))),
+                         target=args.target, want_ptx=args.ptx, want_ttgir=args.ttgir)
     except (ImportError, ValueError, TypeError, KernelCompileError) as exc:
         print(f"python -m jfa inspect: {exc}", file=sys.stderr)
         return 2
@@ -501,6 +508,51 @@ def _resolve_module(name: str) -> str:
     if len(matches) != 1:
         raise ValueError(f"module {name!r} matches {matches or 'nothing'}; choose one of {modules}")
     return matches[0]
+
+
+# Kernels whose inspect_spec takes a configuration NamedTuple: built from a call's options, as
+# jfa.configs chooses it for a GEM-like batch.
+CONFIGURED_KERNELS = ("jfa.kernels.fwd_sm90", "jfa.kernels.bwd_dq", "jfa.kernels.bwd_dkdv", "jfa.kernels.block_attn")
+SHAPE_OPTIONS = ("head_dim", "causal", "window", "broadcast_q", "max_len", "heads")
+DQ_STRATEGY_NAMES = ("none", "split", "handoff", "resident")
+
+
+def _spec_arguments(module: str, options: dict) -> dict:
+    """inspect_spec's keyword arguments: for CONFIGURED_KERNELS the `config` that jfa.configs selects
+    from the call's options, with UPPER-CASE options replacing its fields; other modules' as given."""
+    if module not in CONFIGURED_KERNELS:
+        return options
+    from jfa import configs
+    from jfa.kernels import bwd_dkdv
+
+    fields = {key: options.pop(key) for key in list(options) if key.isupper()}
+    kernel = module.rsplit(".", 1)[1]
+    if kernel == "block_attn":
+        direction = options.pop("direction", "forward")
+        head_dim, group = options.pop("head_dim", 128), options.pop("group", 1)
+        if direction == "forward":
+            config = configs.block_attention_forward(head_dim, group)
+        elif direction == "backward":
+            config = configs.block_attention_backward(head_dim, group, options.pop("rotary", False))
+        else:
+            raise ValueError(f"direction: 'forward' or 'backward', got {direction!r}")
+    else:
+        strategy = options.pop("dq", None) if kernel == "bwd_dkdv" else None
+        shape = configs.gem_like_shape(**{key: options.pop(key) for key in SHAPE_OPTIONS if key in options})
+        if kernel == "fwd_sm90":
+            config = configs.forward_config(shape)
+        elif kernel == "bwd_dq":
+            config = configs.dq_config(shape)
+        else:
+            if strategy is not None and strategy not in DQ_STRATEGY_NAMES:
+                raise ValueError(f"dq: one of {DQ_STRATEGY_NAMES}, got {strategy!r}")
+            value = (configs.dq_strategy(shape) if strategy is None
+                     else getattr(bwd_dkdv, f"DQ_{strategy.upper()}").value)
+            config = configs.dkdv_config(shape, value)
+    unknown = sorted(set(fields) - set(config._fields))
+    if unknown:
+        raise ValueError(f"{unknown} are not fields of {type(config).__name__}; its fields: {list(config._fields)}")
+    return dict(options, config=config._replace(**fields))
 
 
 def _parse_config(pairs: list) -> dict:

@@ -499,15 +499,6 @@ def _heads(heads) -> tuple[int, int]:
     return int(q_heads), int(kv_heads)
 
 
-def _gem_shape(head_dim: int, causal: bool, window, broadcast_q: bool, **flags):
-    """The GEM-like batch `Variant.kernel_specs` compiles for (1152 sequences, L=1024), with `flags`."""
-    from jfa import configs
-
-    return configs.Shape(head_dim=head_dim, q_heads=HEADS, kv_heads=HEADS, total_q=1152 * 512, total_kv=1152 * 512,
-                         num_seqs=1152, max_seq_len_q=1024, max_seq_len_kv=1024, causal=causal, window=window,
-                         broadcast_q=broadcast_q, **flags)
-
-
 def _kernel_specs(t: _Target, head_dim: int, dtype, causal: bool, window, broadcast_q: bool, params: tuple,
                   heads: tuple[int, int]) -> dict:
     """name -> KernelSpec of the kernels the target runs, compiled as for a GEM-like batch."""
@@ -531,7 +522,8 @@ def _kernel_specs(t: _Target, head_dim: int, dtype, causal: bool, window, broadc
         from jfa.kernels import fwd_sm90
         from jfa.kernels.forks.fp8 import FP8_FORK
 
-        config = configs.forward_config(_gem_shape(head_dim, causal, window, broadcast_q, base_tiles=True))
+        config = configs.forward_config(configs.gem_like_shape(head_dim, causal=causal, window=window,
+                                                               broadcast_q=broadcast_q, base_tiles=True))
         found = {"forward": fwd_sm90.inspect_spec(config, torch.float8_e4m3fn, FP8_FORK, ("fp32",),
                                                   specs.FP8_OUT_DTYPE)}
     else:  # block attention
@@ -614,6 +606,8 @@ def compile_kernels(target=None, *, head_dim: int = HEAD_DIM, dtype=torch.bfloat
     compiled for sm_90 on any machine, as for a GEM-like batch with these options. `kernels` picks some
     ("forward", "dq", "dkdv"; block attention's "forward", "backward"); `baseline` adds the unforked
     kernels' spills for comparison (a variant only)."""
+    from jfa import configs
+
     t = _target(target)
     found = _kernel_specs(t, head_dim, dtype, causal, window, broadcast_q, tuple(params), _heads(heads))
     if kernels is not None:
@@ -628,7 +622,7 @@ def compile_kernels(target=None, *, head_dim: int = HEAD_DIM, dtype=torch.bfloat
                                broadcast_q=broadcast_q, kernels=[k for k in found if k in KERNEL_LABELS])
     what = f"{t.label}, D={head_dim} {str(dtype).replace('torch.', '')}" + (", causal" if causal else "") + (
         f", window={window}" if window is not None else "") + (", broadcast-Q" if broadcast_q else "") + (
-        ", configured as for a GEM-like batch (B=1152, L=1024)" if t.kind != "block" else "")
+        f", configured as for a GEM-like batch (B={specs.GEM_BATCH}, L={configs.INSPECT_MAX_LEN})" if t.kind != "block" else "")
     return CompileReport(what, {name: _inspect(spec) for name, spec in found.items()}, baseline=base,
                          labels=BLOCK_KERNEL_LABELS if t.kind == "block" else KERNEL_LABELS)
 
