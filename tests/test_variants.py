@@ -245,4 +245,4 @@ def test_kernel_specs_describe_the_three_kernels_with_the_hooks():
         assert set(kernel_specs) == {"forward", "dq", "dkdv"}
         for spec in kernel_specs.values():
             assert spec.constexprs["FORK"] is variant.fork
-            assert spec.signature["params"] == types
+            assert spec.signature["fork_params"] == types
