@@ -2,7 +2,7 @@
 
 This is what a user does after `make lab`: the lab opens on notebook 00 with the repository in the
 file browser; they run every cell and read the outputs; in notebook 02 they move the ring panel's
-slider and watch its chart redraw, in 03 they pick other cases of the GEM sweep. The server is started by `make lab` itself (the Makefile's
+slider and watch its chart redraw; they run the fork notebook 03 and pick other cases in its sweep. The server is started by `make lab` itself (the Makefile's
 target, with its root and notebook; the test adds only --no-browser, an address, a random token and
 `expose_app_in_browser`), and the page opened is the one the server writes for a browser to open.
 Chromium comes from Debian (`apt-get install chromium chromium-driver`); selenium drives it through
@@ -59,8 +59,7 @@ T01_CHECK_LINES = ("t01 check passed", "t01 reference on CPU", "t01 kernel not r
 BROKEN_OUTPUT = ("Error displaying widget", "Loading widget...", "model not found", "Traceback")
 RING_PANEL = "jw.ring_panel()"
 BUDGET_PANEL = "jw.budget_panel()"
-GEM_PANEL = "jw.gem_sweep_panel(RESULTS)"
-SETUP_CELL = "jw.setup_notebook()"
+SWEEP_PANEL = "lab.sweep()"
 
 
 def _free_port() -> int:
@@ -203,20 +202,6 @@ def _run_all(driver):
         {CURRENT}.sessionContext.ready
           .then(() => app.commands.execute('notebook:clear-all-cell-outputs'))
           .then(() => app.commands.execute('notebook:run-all-cells'));""")
-
-
-def _run_cells(driver, *sources: str) -> None:
-    """Run, in notebook order, only the code cells that hold one of `sources`."""
-    driver.execute_script(f"""
-        const app = window.jupyterapp, w = {CURRENT}, nb = w.content, wanted = arguments[0];
-        const picked = nb.widgets.map((c, i) => [c, i]).filter(([c]) => c.model.type === 'code'
-            && wanted.some(s => c.model.sharedModel.getSource().includes(s))).map(([, i]) => i);
-        window.jfaRan = false;
-        (async () => {{
-            await w.sessionContext.ready;
-            for (const i of picked) {{ nb.activeCellIndex = i; await app.commands.execute('notebook:run-cell'); }}
-            window.jfaRan = true;
-        }})();""", list(sources))
 
 
 def _all_cells_ran(driver) -> bool:
@@ -386,59 +371,65 @@ def test_ring_panel_redraws_in_place(lab, browser, artifacts):
     stages_handle = stages.find_element(By.CSS_SELECTOR, ".noUi-handle")
     stages_handle.click()
     stages_handle.send_keys(Keys.ARROW_RIGHT)
-    budget_after = _wait_for(lambda: (lambda s: s if s["text"] != budget_before["text"] else None)(
-        _cell_state(browser, "budget")), REDRAW_S, "the budget table to change",
+    assert "(2 stages)" in budget_before["text"], budget_before["text"]
+    budget_after = _wait_for(lambda: (lambda s: s if "(3 stages)" in s["text"] else None)(
+        _cell_state(browser, "budget")), REDRAW_S, "the budget table to count 3 stages",
         lambda: _cell_state(browser, "budget")["text"])
-    assert "3 stages" in budget_after["text"] and budget_after["outputs"] == budget_before["outputs"], budget_after
+    assert budget_after["outputs"] == budget_before["outputs"], budget_after
     _screenshot(browser, artifacts, "02-budget-3-stages", "budget")
     assert browser.execute_script("return window.jfaStray") == [], "outputs went to the Log Console"
     assert _digest(PIPELINES) == on_disk, "the test modified the notebook"
 
 
-def test_gem_sweep_panel_redraws_in_place(lab, browser, artifacts):
-    """Notebook 03's GEM sweep (its setup cell and the panel's cell): L=2048 and the backward, then
-    L=256, chosen from the dropdowns; each time the bars in the cell are the chosen case's."""
+def test_fork_notebook_runs_and_its_sweep_panel_redraws_in_place(lab, browser, artifacts):
+    """Notebook 03 (the jagged forward and its fork exercise) run in full; then its sweep panel: the
+    backward picked on the pass buttons, another suite from the dropdown; each time the one chart in
+    the cell says so, and nothing lands outside the cell."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
     url, base, token = lab
     on_disk = _digest(JAGGED)
     _open(browser, f"{base}/lab/tree/{JAGGED}?token={token}", JAGGED)
-    _mark_cell(browser, GEM_PANEL, "gem")
-    _run_cells(browser, SETUP_CELL, GEM_PANEL)
+    _mark_cell(browser, SWEEP_PANEL, "sweep")
+    _run_all(browser)
+
+    def ran():
+        text = _outputs_text(browser)
+        return text if "Traceback" in text or _all_cells_ran(browser) else None
+    text = _wait_for(ran, RUN_ALL_S, "every cell of notebook 03", lambda: _page_text(browser))
+    assert "Traceback" not in text, f"a cell failed in JupyterLab:\n{text[-4000:]}"
+    assert not [b for b in BROKEN_OUTPUT if b in text], f"an output did not render:\n{text[-4000:]}"
 
     def drawn():
-        state = _cell_state(browser, "gem")
-        return state if browser.execute_script("return window.jfaRan") and state["plots"] == 1 \
-            and state["titles"][0] else None
-    before = _wait_for(drawn, RUN_ALL_S, "the GEM sweep panel's chart", lambda: _page_text(browser))
-    assert "L=1024,s=0.5: fwd" in before["titles"][0], before
-    assert not [b for b in BROKEN_OUTPUT if b in before["text"]], before["text"]
-    _screenshot(browser, artifacts, "03-gem-L1024-fwd", "gem")
+        state = _cell_state(browser, "sweep")
+        return state if state["plots"] == 1 and state["titles"][0] and state["widgets"] >= 1 else None
+    before = _wait_for(drawn, REDRAW_S, "the sweep panel's controls and chart", lambda: _page_text(browser))
+    assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot').length") >= 2
+    _screenshot(browser, artifacts, "03-sweep-first", "sweep")
     _listen_for_stray_outputs(browser)
+    cell = browser.find_element(By.CSS_SELECTOR, '[data-jfa-cell="sweep"]')
 
-    def choose(label: str, option: str) -> None:
-        cell = browser.find_element(By.CSS_SELECTOR, '[data-jfa-cell="gem"]')
-        box = next(d for d in cell.find_elements(By.CSS_SELECTOR, ".widget-dropdown")
-                   if d.find_element(By.CSS_SELECTOR, ".widget-label").text.strip() == label)
-        Select(box.find_element(By.TAG_NAME, "select")).select_by_visible_text(option)
-
-    def shows(case: str):
+    def shows(*words: str, unlike: str):
         def check():
-            state = _cell_state(browser, "gem")
-            return state if state["titles"] and case in state["titles"][0] else None
-        return _wait_for(check, REDRAW_S, f"the GEM chart to show {case}",
-                         lambda: json.dumps(_cell_state(browser, "gem"), indent=1))
+            state = _cell_state(browser, "sweep")
+            title = state["titles"][0] if state["titles"] else ""
+            return state if title != unlike and all(w in title for w in words) else None
+        return _wait_for(check, REDRAW_S, f"the sweep chart's title to show {words}",
+                         lambda: json.dumps(_cell_state(browser, "sweep"), indent=1))
 
-    choose("L", "2048")
-    shows("L=2048,s=0.5: fwd")
-    choose("pass", "bwd")
-    long_bwd = shows("L=2048,s=0.5: bwd")
-    _screenshot(browser, artifacts, "03-gem-L2048-bwd", "gem")
-    choose("L", "256")
-    short_bwd = shows("L=256,s=0.5: bwd")
-    _screenshot(browser, artifacts, "03-gem-L256-bwd", "gem")
-    for state in (long_bwd, short_bwd):
+    other_pass = next(b for b in cell.find_elements(By.CSS_SELECTOR, ".widget-toggle-button")
+                      if b.text.strip() == "bwd")
+    other_pass.click()
+    backward = shows("bwd", unlike=before["titles"][0])
+    _screenshot(browser, artifacts, "03-sweep-bwd", "sweep")
+    suites = Select(cell.find_element(By.CSS_SELECTOR, ".widget-dropdown select"))
+    other_suite = next(o.text for o in suites.options if o.text != suites.first_selected_option.text)
+    suites.select_by_visible_text(other_suite)
+    other = shows(other_suite, "bwd", unlike=backward["titles"][0])
+    _screenshot(browser, artifacts, f"03-sweep-{other_suite}-bwd", "sweep")
+    for state in (backward, other):
         assert (state["plots"], state["outputs"]) == (1, before["outputs"]), (before, state)
+    assert other["bars"] != before["bars"] or other["titles"] != before["titles"]
     assert browser.execute_script("return window.jfaStray") == [], "outputs went to the Log Console"
     assert _digest(JAGGED) == on_disk, "the test modified the notebook"
