@@ -88,7 +88,7 @@ def _table_html(header: Iterable, rows: Iterable[Iterable], *, align_right_from:
 
 
 def _table_text(header: list, rows: list[list]) -> str:
-    cells = [[str(h) for h in header]] + [[re.sub("<[^>]+>", "", str(c)) for c in row] for row in rows]
+    cells = [[str(h) for h in header]] + [[html.unescape(re.sub("<[^>]+>", "", str(c))) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in cells]
@@ -1314,19 +1314,26 @@ def _live_render(measure: Callable[[Case], dict]):
     return render
 
 
-def sweep(results=None, *, live: bool | None = None, measure: Callable[[Case], dict] | None = None) -> Sweep | Report:
+def sweep(results=None, *, live: bool | None = None, measure: Callable[[Case], dict] | None = None,
+          lengths: tuple = (1024, 2048), batch: int = specs.GEM_BATCH) -> Sweep | Report:
     """A panel that sweeps shapes and options. On a Hopper GPU: L (several at once), sparsity, head
-    dim, dtype, causal, window, broadcast-Q and batch as controls; each point is checked against the
-    reference (a small batch) and timed against FA4 and FA2 where they are installed, then TFLOP/s
-    and the check's error are plotted against L, redrawn in place. Elsewhere: the recorded
-    head-to-head's suite cases (suite, pass, TFLOP/s or speedup), labelled recorded. `measure`
-    replaces the live measurement of one `Case` (it returns {"check": CheckReport, "rows": [...]})."""
+    dim, dtype, causal, window, broadcast-Q and batch as controls, starting at `lengths` and `batch`
+    (the panel measures its first points as it opens); each point is checked against the reference (a
+    small batch) and timed against FA4 and FA2 where they are installed, then TFLOP/s and the check's
+    error are plotted against L, redrawn in place. Elsewhere: the recorded head-to-head's suite cases
+    (suite, pass, TFLOP/s or speedup), labelled recorded. `measure` replaces the live measurement of
+    one `Case` (it returns {"check": CheckReport, "rows": [...]})."""
     import ipywidgets
 
+    unknown = [length for length in lengths if length not in SWEEP_LENGTHS]
+    if not lengths or unknown:
+        raise ValueError(f"lengths: a non-empty tuple of {SWEEP_LENGTHS}, got {lengths!r}")
+    if batch not in SWEEP_BATCH_CHOICES:
+        raise ValueError(f"batch: one of {SWEEP_BATCH_CHOICES}, got {batch!r}")
     if _live(live):
         dropdown = dict(layout=ipywidgets.Layout(width="180px"))
         controls = {
-            "lengths": ipywidgets.SelectMultiple(options=SWEEP_LENGTHS, value=(1024, 2048), description="L",
+            "lengths": ipywidgets.SelectMultiple(options=SWEEP_LENGTHS, value=tuple(lengths), description="L",
                                                  rows=len(SWEEP_LENGTHS)),
             "sparsity": ipywidgets.Dropdown(options=(0.5, 1.0), value=0.5, description="s", **dropdown),
             "head_dim": ipywidgets.Dropdown(options=specs.SUPPORTED_HEAD_DIMS, value=128, description="D",
@@ -1338,7 +1345,7 @@ def sweep(results=None, *, live: bool | None = None, measure: Callable[[Case], d
                                           description="window", **dropdown),
             "broadcast_q": ipywidgets.Dropdown(options=(("off", None), ("q=64", 64), ("q=256", 256)), value=None,
                                                description="broadcast-Q", **dropdown),
-            "batch": ipywidgets.Dropdown(options=SWEEP_BATCH_CHOICES, value=specs.GEM_BATCH, description="B",
+            "batch": ipywidgets.Dropdown(options=SWEEP_BATCH_CHOICES, value=batch, description="B",
                                          **dropdown),
             "pass_": ipywidgets.ToggleButtons(options=("fwd", "bwd"), value="fwd", description="pass"),
         }
