@@ -12,6 +12,7 @@ LAB_NOTEBOOK ?= notebooks/00_start_here.ipynb
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
 RESULTS ?= results
+SUITES ?=
 
 .PHONY: lab test gpu-test bench check clean
 
@@ -40,7 +41,7 @@ gpu-test:
 	bash scripts/gpu_test.sh $(RESULTS)
 
 bench:
-	bash scripts/bench_gpu.sh $(RESULTS)
+	OUT=$(RESULTS) bash scripts/bench_gpu.sh $(SUITES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -94,4 +94,11 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", help="the JSON file to write")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("clocks_power.py needs a CUDA GPU (the GPU host, .gpu-bundle active)")
+    main(args.out)

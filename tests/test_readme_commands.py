@@ -211,15 +211,7 @@ def check_gpu_tool(command: str, tmp: Path) -> None:
 
 # Shortcomings of the commands themselves (not of the README), marked strict: fixed, the mark must
 # go. Each names the tests it fails: "shown" (help, dry run) and "run" (run as written without a GPU).
-MAKE_BENCH_SUITES = ("the Makefile's bench passes $(RESULTS) to bench_gpu.sh, whose arguments are suite "
-                     "names (it takes its folder from $OUT): `python -m jfa bench` rejects the suite 'results'")
-KNOWN_DEFECTS = {
-    "python -m jfa head-to-head": (("run",), "head-to-head runs every case on a CPU machine, fails each with "
-                                             "torch's 'Cannot get CUDA generator' and exits 0, where bench refuses"),
-    "python scripts/clocks_power.py": (("shown", "run"), "clocks_power.py takes no --help and, without CUDA, "
-                                                         "ends in torch's 'Torch not compiled with CUDA enabled'"),
-    "make bench": (("run",), MAKE_BENCH_SUITES),
-}
+KNOWN_DEFECTS: dict = {}
 
 
 def _param(command: str, test: str):
@@ -302,7 +294,6 @@ def test_gpu_host_command_refuses_without_a_gpu(command, tmp_path):
     assert _results_snapshot() == before, f"`{command}` wrote into the checkout's results/"
 
 
-@pytest.mark.xfail(strict=True, reason=MAKE_BENCH_SUITES)
 def test_make_bench_passes_bench_gpu_only_suites():
     from jfa.specs import BENCH_SUITES
 

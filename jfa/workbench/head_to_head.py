@@ -15,8 +15,11 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
+
+import torch
 
 from jfa import specs
 from jfa.workbench import bench, envinfo
@@ -182,6 +185,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.rounds < min_rounds(args.peer):
         parser.error(f"--rounds: at least {min_rounds(args.peer)}, so that each provider is timed first once")
+    if not torch.cuda.is_available():
+        print("head-to-head needs a CUDA GPU (it times jfa and its peers); on this machine render recorded "
+              "runs with `python -m jfa report RUN.json ... -o REPORT.html`", file=sys.stderr)
+        return 2
     cases = bench.suite_cases(args.suites.split(","), quick=False)
     report = dict(kind="head-to-head", peer=args.peer[0], peers=args.peer, rounds=args.rounds,
                   env=envinfo.environment(), cases=[])
