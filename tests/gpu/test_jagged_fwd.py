@@ -1,28 +1,40 @@
-"""The jagged forward kernel on a Hopper GPU against the fp32 reference `jfa.reference`.
+"""The jagged forward (`jfa.runner.forward`, the kernel `jfa.kernels.fwd_sm90`) on a Hopper GPU against
+the fp32 reference `jfa.reference`.
 
 Every case draws fresh random inputs and hands the kernel NaN-poisoned `out` and `lse` views into
 larger buffers: a valid row the kernel forgot stays NaN and fails, and the guard rows around the
-views must still be NaN afterwards (nothing written past the packed tensor). Lengths 63/65/127/129
-put the next sequence's rows inside a TMA tile, so a missing key mask or an unmasked store shows up
-as a wrong value next door; length 0 (empty sequences) and fully masked rows check the 0 / -inf rule.
+views must still be NaN afterwards (nothing written past the packed tensor). Every element of both
+is compared with the reference. Lengths 63/65/127/129 put the next sequence's rows inside a TMA
+tile, so a missing key mask or an unmasked store shows up as a wrong value next door; length 0
+(empty sequences) and fully masked rows check the 0 / -inf rule.
+
+Each case names the tuning of `jfa.configs` it runs and checks that `configs.forward_config` picks
+it, so the cases cover every tuning the selection reaches, with the flags each multiplies by.
+Cases of one configuration (and one specialization of the launch's integers) share a compile.
 """
+import itertools
 import zlib
 
 import pytest
 import torch
 
-from jfa import reference, specs
-from jfa.kernels import jagged_fwd
+from jfa import configs, reference, runner, specs
+from jfa.kernels import fwd_sm90
 
 pytestmark = pytest.mark.gpu
 
-GUARD_ROWS = 7  # poisoned rows before and after the output view
+DEVICE = "cuda"
+# Poisoned rows (LSE columns) before and after each view. 8 keeps the views 16-byte aligned, as a
+# fresh tensor is, and each buffer's length is a multiple of 16: the LSE's head stride then falls in
+# one Triton specialization for every case instead of compiling a kernel again per stride class.
+GUARD_ROWS = 8
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 127, 128, 129, 0, 2, 131, 257, 509]
+TUNINGS = {"base": configs.FWD_BASE, "short queries": configs.FWD_SHORT_QUERIES, "short keys": configs.FWD_SHORT_KEYS,
+           "long": configs.FWD_LONG}
 
 
 def offsets(lengths) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
-                        device="cuda")
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
 
 
 def random_lengths(batch, low, high, seed):
@@ -30,92 +42,114 @@ def random_lengths(batch, low, high, seed):
     return torch.randint(low, high + 1, (batch,), generator=gen).tolist()
 
 
-def run_case(q_lens, kv_lens, *, heads_q=4, heads_kv=4, head_dim=128, dtype=torch.bfloat16,
-             causal=False, window=None, broadcast_q=False, sm_scale=None, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def poisoned(shape, dtype, row_dim=0):
+    """(buffer, view): a view of `shape` inside a NaN buffer with GUARD_ROWS or more poisoned rows on
+    each side along `row_dim` (0 for `[T, H, D]` tensors, 1 for `[H, T]` LSEs)."""
+    rows = shape[row_dim]
+    padded = -(-(rows + 2 * GUARD_ROWS) // 16) * 16
+    buffer = torch.full((*shape[:row_dim], padded, *shape[row_dim + 1:]), float("nan"), dtype=dtype, device=DEVICE)
+    return buffer, buffer.narrow(row_dim, GUARD_ROWS, rows)
+
+
+def assert_guards_untouched(buffer, view, row_dim=0):
+    """Every element of `buffer` outside `view` (made by `poisoned`) is still NaN."""
+    end = GUARD_ROWS + view.shape[row_dim]
+    before = buffer.narrow(row_dim, 0, GUARD_ROWS)
+    after = buffer.narrow(row_dim, end, buffer.shape[row_dim] - end)
+    assert torch.isnan(before).all() and torch.isnan(after).all(), "written outside the tensor"
+
+
+def assert_tuning(q, k, kv_off, max_q, max_kv, causal, window, broadcast_q, tuning, half_tail):
+    """`configs.forward_config` picks the named tuning (and half last key tiles or not) for this call."""
+    config = configs.forward_config(runner.call_shape(q, k, kv_off, max_q, max_kv, causal, window, broadcast_q))
+    entry = TUNINGS[tuning][q.shape[2]]
+    assert entry.items() <= config._asdict().items(), f"expected the {tuning!r} tuning, got {config}"
+    assert (config.HEADS_PER_TILE == 2) == (tuning == "short queries"), config
+    assert config.HALF_TAIL == half_tail, config
+
+
+def run_case(q_lens, kv_lens, *, heads=(4, 4), head_dim=128, dtype=torch.bfloat16, causal=False, window=None,
+             broadcast_q=False, sm_scale=None, tuning=None, half_tail=False, seed=0):
+    """Forward of one problem into poisoned views, checked against the reference. `q_lens` is
+    `[q_len]` with broadcast-Q; `tuning` (a `TUNINGS` key) is checked first when given."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     q_rows = q_lens[0] if broadcast_q else sum(q_lens)
     kv_rows = sum(kv_lens)
-    q = torch.randn(q_rows, heads_q, head_dim, device="cuda", generator=gen).to(dtype)
-    k = torch.randn(kv_rows, heads_kv, head_dim, device="cuda", generator=gen).to(dtype)
-    v = torch.randn(kv_rows, heads_kv, head_dim, device="cuda", generator=gen).to(dtype)
-    q_off = offsets([q_lens[0]] if broadcast_q else q_lens)
-    kv_off = offsets(kv_lens)
+    q = torch.randn(q_rows, heads[0], head_dim, device=DEVICE, generator=gen).to(dtype)
+    k = torch.randn(kv_rows, heads[1], head_dim, device=DEVICE, generator=gen).to(dtype)
+    v = torch.randn(kv_rows, heads[1], head_dim, device=DEVICE, generator=gen).to(dtype)
+    q_off, kv_off = offsets(q_lens), offsets(kv_lens)
+    max_q, max_kv = max(q_lens, default=0), max(kv_lens, default=0)
+    if tuning is not None:
+        assert_tuning(q, k, kv_off, max_q, max_kv, causal, window, broadcast_q, tuning, half_tail)
     out_rows = q_rows * len(kv_lens) if broadcast_q else q_rows
+    out_buf, out_view = poisoned((out_rows, heads[0], head_dim), dtype)
+    lse_buf, lse_view = poisoned((heads[0], out_rows), torch.float32, row_dim=1)
 
-    out_buf = torch.full((out_rows + 2 * GUARD_ROWS, heads_q, head_dim), float("nan"),
-                         device="cuda", dtype=dtype)
-    lse_buf = torch.full((heads_q, out_rows + 2 * GUARD_ROWS), float("nan"), device="cuda")
-    out_view = out_buf[GUARD_ROWS:GUARD_ROWS + out_rows]
-    lse_view = lse_buf[:, GUARD_ROWS:GUARD_ROWS + out_rows]
-    out, lse = jagged_fwd.jagged_attention_fwd(
-        q, k, v, q_off, kv_off, max(q_lens) if q_lens else 0, max(kv_lens) if kv_lens else 0,
-        sm_scale, causal, window, broadcast_q, out=out_view, lse=lse_view)
+    out, lse = runner.forward(q, k, v, q_off, kv_off, max_q, max_kv, sm_scale, causal, window, broadcast_q,
+                              out=out_view, lse=lse_view)
     torch.cuda.synchronize()
     assert out.data_ptr() == out_view.data_ptr() and lse.data_ptr() == lse_view.data_ptr()
-
-    ref_out, ref_lse = reference.jagged_attention_ref(q, k, v, q_off, kv_off, sm_scale=sm_scale,
-                                                      causal=causal, window=window,
-                                                      broadcast_q=broadcast_q)
-    assert torch.isnan(out_buf[:GUARD_ROWS]).all() and torch.isnan(out_buf[-GUARD_ROWS:]).all()
-    assert torch.isnan(lse_buf[:, :GUARD_ROWS]).all() and torch.isnan(lse_buf[:, -GUARD_ROWS:]).all()
-    assert not torch.isnan(out).any(), "rows left unwritten (still NaN)"
+    ref_out, ref_lse = reference.jagged_attention_ref(q, k, v, q_off, kv_off, sm_scale=sm_scale, causal=causal,
+                                                      window=window, broadcast_q=broadcast_q)
+    assert_guards_untouched(out_buf, out)
+    assert_guards_untouched(lse_buf, lse, row_dim=1)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "rows left unwritten (still NaN)"
     got = out.float()
-    denom = ref_out.norm().clamp_min(1e-6)
-    relerr = ((got - ref_out).norm() / denom).item()
+    relerr = ((got - ref_out).norm() / ref_out.norm().clamp_min(1e-6)).item()
     assert relerr <= specs.FWD_RELERR, f"relative error {relerr:.2e}"
     torch.testing.assert_close(got, ref_out, **specs.FWD_TOL)
     torch.testing.assert_close(lse, ref_lse, **specs.FWD_TOL)
 
 
 def test_is_supported():
-    assert jagged_fwd.is_supported(torch.empty(1, 1, 128, device="cuda", dtype=torch.bfloat16))
-    assert not jagged_fwd.is_supported(torch.empty(1, 1, 128, device="cuda", dtype=torch.float32))
-    assert not jagged_fwd.is_supported(torch.empty(1, 1, 96, device="cuda", dtype=torch.bfloat16))
-    assert not jagged_fwd.is_supported(torch.empty(1, 1, 128, dtype=torch.bfloat16))
+    """The jagged kernels take bf16, fp16 and (through the FP8 fork) E4M3 at D 64 and 128, on this GPU only."""
+    def q(dtype=torch.bfloat16, head_dim=128, device=DEVICE):
+        return torch.empty(1, 1, head_dim, device=device, dtype=dtype)
+
+    for dtype in (*specs.SUPPORTED_DTYPES, torch.float8_e4m3fn):
+        assert all(fwd_sm90.is_supported(q(dtype, d)) for d in specs.SUPPORTED_HEAD_DIMS)
+    assert not fwd_sm90.is_supported(q(torch.float32))
+    assert not fwd_sm90.is_supported(q(head_dim=96))
+    assert not fwd_sm90.is_supported(q(device="cpu"))
 
 
+# Averaging 114 keys, EDGE_LENGTHS run the short-key tiles at D=128; one long sequence puts the same
+# edges on the base tiles. At most 256 keys: half last tiles. Every query at most 64 rows: two heads
+# per tile. Queries and keys averaging 1024 or more at D=64: three consumers.
 SELF_CASES = {
-    "edge_lengths": dict(lengths=EDGE_LENGTHS),
-    "long_up_to_8192": dict(lengths=[8192, 1000, 4099, 17, 2053], heads_q=2, heads_kv=2),
-    "random_2048": dict(lengths=random_lengths(40, 1, 2048, seed=1)),
-    "d64": dict(lengths=EDGE_LENGTHS, head_dim=64),
-    "d64_random": dict(lengths=random_lengths(30, 1, 1500, seed=2), head_dim=64),
-    "fp16": dict(lengths=EDGE_LENGTHS, dtype=torch.float16),
-    "fp16_d64": dict(lengths=random_lengths(20, 0, 700, seed=3), dtype=torch.float16, head_dim=64),
-    "gqa2": dict(lengths=EDGE_LENGTHS, heads_q=8, heads_kv=4),
-    "gqa4": dict(lengths=random_lengths(16, 1, 1000, seed=4), heads_q=8, heads_kv=2),
-    "gqa8_d64": dict(lengths=EDGE_LENGTHS, heads_q=8, heads_kv=1, head_dim=64),
-    "sm_scale": dict(lengths=[300, 77], sm_scale=0.3),
-    "causal": dict(lengths=EDGE_LENGTHS, causal=True),
-    "causal_long": dict(lengths=[4097, 1500, 33], causal=True, heads_q=2, heads_kv=2),
-    "causal_d64_fp16": dict(lengths=EDGE_LENGTHS, causal=True, head_dim=64, dtype=torch.float16),
-    "window32": dict(lengths=EDGE_LENGTHS, window=32),
-    "window200": dict(lengths=random_lengths(12, 1, 2500, seed=5), window=200),
-    "window0": dict(lengths=[129, 300], window=0),
-    "causal_window": dict(lengths=EDGE_LENGTHS + [1031], causal=True, window=100),
-    # EDGE_LENGTHS average 114 keys: at D=128 those cases run the short-key tiles
-    # (`jagged_fwd.SHORT_KV_TUNING`); one long sequence puts the same edges on 128-key tiles.
-    "edge_lengths_long_tiles": dict(lengths=EDGE_LENGTHS + [4096]),
-    "causal_long_tiles": dict(lengths=EDGE_LENGTHS + [4096], causal=True),
-    "window32_long_tiles": dict(lengths=EDGE_LENGTHS + [4096], window=32, heads_q=8, heads_kv=4),
-    # short keys with half last tiles (no sequence over jagged_fwd.HALF_TAIL_MAX_KV_LEN)
-    "short_kv_half_tail": dict(lengths=[0, 1, 31, 32, 33, 63, 64, 65, 97, 127, 128, 129, 200, 255, 256]),
-    "short_kv_half_tail_causal_window_gqa": dict(lengths=[256, 33, 0, 129, 97, 200, 64], causal=True,
-                                                 window=40, heads_q=8, heads_kv=2),
-    "short_kv_fp16": dict(lengths=random_lengths(40, 1, 512, seed=9), dtype=torch.float16),
-    # queries and keys averaging jagged_fwd.LONG_MEAN_LEN or more: at D=64 three consumers, 192-row
-    # tiles (`jagged_fwd.LONG_TUNING`), with sequences ending in each consumer's rows and in none
-    "long3_d64": dict(lengths=[4096, 1000, 2049, 1, 192, 193, 0, 383, 4000, 129], head_dim=64),
-    "long3_d64_causal_window_gqa": dict(lengths=[2048, 191, 1025, 64, 3000], causal=True, window=100,
-                                        heads_q=8, heads_kv=2, head_dim=64),
-    "long3_d64_fp16_causal": dict(lengths=[1500, 1700, 900, 193, 2000], causal=True, head_dim=64,
-                                  dtype=torch.float16),
-    # every query <= 64 rows: two heads per tile (one per consumer)
-    "short_paired": dict(lengths=[0, 1, 63, 64, 2, 33] + random_lengths(20, 0, 64, seed=8)),
-    "short_paired_causal_window_gqa": dict(lengths=[64, 1, 0, 40, 63], causal=True, window=9,
-                                           heads_q=8, heads_kv=2),
-    "short_paired_d64_fp16": dict(lengths=[64, 17, 0, 64, 5], head_dim=64, dtype=torch.float16),
-    "short_odd_heads": dict(lengths=[64, 17, 0, 3], heads_q=3, heads_kv=3),
+    "edge_lengths": dict(lengths=EDGE_LENGTHS, tuning="short keys"),
+    "edge_lengths_causal": dict(lengths=EDGE_LENGTHS, causal=True, tuning="short keys"),
+    "edge_lengths_window32": dict(lengths=EDGE_LENGTHS, window=32, tuning="short keys"),
+    "edge_lengths_window0": dict(lengths=[129, 300, 1], window=0, tuning="short keys"),
+    "edge_lengths_causal_window_gqa2": dict(lengths=EDGE_LENGTHS + [1031], causal=True, window=100, heads=(8, 4),
+                                            tuning="short keys"),
+    "sm_scale": dict(lengths=[300, 77], sm_scale=0.3, tuning="short keys"),
+    "fp16": dict(lengths=EDGE_LENGTHS, dtype=torch.float16, tuning="short keys"),
+    "base_tiles_up_to_8000": dict(lengths=EDGE_LENGTHS + [8000, 2053], heads=(2, 2), tuning="base"),
+    "base_tiles_random_1900": dict(lengths=random_lengths(24, 1, 1900, seed=1), tuning="base"),
+    "base_tiles_causal": dict(lengths=EDGE_LENGTHS + [4200], causal=True, tuning="base"),
+    "base_tiles_window37_gqa2": dict(lengths=EDGE_LENGTHS + [4200], window=37, heads=(8, 4), tuning="base"),
+    "d64": dict(lengths=EDGE_LENGTHS, head_dim=64, tuning="base"),
+    "d64_random_causal_gqa8": dict(lengths=random_lengths(30, 1, 1500, seed=2), causal=True, heads=(8, 1),
+                                   head_dim=64, tuning="base"),
+    "d64_fp16_window64": dict(lengths=random_lengths(20, 0, 700, seed=3), window=64, head_dim=64,
+                              dtype=torch.float16, tuning="base"),
+    "half_tiles": dict(lengths=[0, 1, 31, 32, 33, 63, 64, 65, 97, 127, 128, 129, 200, 255, 256],
+                       tuning="short keys", half_tail=True),
+    "half_tiles_causal_window_gqa4": dict(lengths=[256, 33, 0, 129, 97, 200, 64], causal=True, window=40,
+                                          heads=(8, 2), tuning="short keys", half_tail=True),
+    "half_tiles_odd_heads": dict(lengths=[64, 17, 0, 3, 200], heads=(3, 3), tuning="short keys", half_tail=True),
+    "three_consumers_d64": dict(lengths=[4096, 1000, 2049, 1, 192, 193, 0, 383, 4000, 129], head_dim=64,
+                                tuning="long"),
+    "three_consumers_d64_fp16_causal_window_gqa4": dict(lengths=[2048, 191, 1025, 64, 3000], causal=True,
+                                                        window=100, heads=(8, 2), head_dim=64,
+                                                        dtype=torch.float16, tuning="long"),
+    "paired_heads": dict(lengths=[0, 1, 63, 64, 2, 33] + random_lengths(20, 0, 64, seed=8), tuning="short queries"),
+    "paired_heads_causal_window_gqa4": dict(lengths=[64, 1, 0, 40, 63], causal=True, window=9, heads=(8, 2),
+                                            tuning="short queries"),
+    "paired_heads_d64_fp16": dict(lengths=[64, 17, 0, 64, 5], head_dim=64, dtype=torch.float16,
+                                  tuning="short queries"),
 }
 
 
@@ -123,33 +157,29 @@ SELF_CASES = {
 def test_self_attention(name):
     case = dict(SELF_CASES[name])
     lengths = case.pop("lengths")
-    if name.endswith("long_tiles") or name.startswith("short_kv"):  # the path the name promises
-        assert jagged_fwd.is_short_kv(sum(lengths), len(lengths)) == name.startswith("short_kv")
-    if name.startswith("long3"):
-        assert jagged_fwd.is_long(sum(lengths), sum(lengths), len(lengths))
     run_case(lengths, lengths, seed=zlib.crc32(name.encode()), **case)
 
 
+CROSS_Q_LENS = [0, 1, 63, 200, 129, 64, 300, 5, 1000]
+CROSS_KV_LENS = [5, 0, 129, 64, 63, 1, 256, 2048, 999]
 CROSS_CASES = {
     "cross": dict(),
-    "cross_causal": dict(causal=True),  # kv shorter than q: early rows see nothing (0, -inf)
+    "cross_causal": dict(causal=True),  # keys shorter than queries: early rows see nothing (0, -inf)
     "cross_window": dict(window=50),
-    "cross_gqa4_d64": dict(heads_q=8, heads_kv=2, head_dim=64),
+    "cross_gqa4_d64": dict(heads=(8, 2), head_dim=64),
 }
 
 
 @pytest.mark.parametrize("name", list(CROSS_CASES))
 def test_cross_attention(name):
-    q_lens = [0, 1, 63, 200, 129, 64, 300, 5, 1000]
-    kv_lens = [5, 0, 129, 64, 63, 1, 256, 2048, 999]
-    run_case(q_lens, kv_lens, seed=zlib.crc32(name.encode()), **CROSS_CASES[name])
+    """Query and key lengths differ per sequence: bottom-right causal, the window on top-left positions."""
+    run_case(CROSS_Q_LENS, CROSS_KV_LENS, tuning="base", seed=zlib.crc32(name.encode()), **CROSS_CASES[name])
 
 
-def test_cross_attention_long_d64():
-    """Queries and keys of different lengths, both long on average: three consumers (LONG_TUNING)."""
-    q_lens, kv_lens = [1100, 5, 3000, 193, 1300], [2000, 1500, 100, 900, 1000]
-    assert jagged_fwd.is_long(sum(q_lens), sum(kv_lens), len(q_lens))
-    run_case(q_lens, kv_lens, causal=True, head_dim=64, seed=12)
+def test_cross_attention_three_consumers_d64():
+    """Queries and keys of different lengths, both long on average, causal: three consumers at D=64."""
+    run_case([1100, 5, 3000, 193, 1300], [2000, 1500, 100, 900, 1000], causal=True, head_dim=64, tuning="long",
+             seed=12)
 
 
 PMA_KV_LENGTHS = [0, 1, 37, 64, 65, 128, 200, 2048, 1023] + random_lengths(23, 1, 2048, seed=6)
@@ -157,23 +187,25 @@ PMA_KV_LENGTHS = [0, 1, 37, 64, 65, 128, 200, 2048, 1023] + random_lengths(23, 1
 
 @pytest.mark.parametrize("q_len", [1, 16, 64, 128, 256])
 def test_broadcast_q(q_len):
-    run_case([q_len], PMA_KV_LENGTHS, broadcast_q=True, seed=q_len)
+    """One shared query against every key sequence: up to 64 rows two heads per tile, then whole tiles."""
+    run_case([q_len], PMA_KV_LENGTHS, broadcast_q=True, tuning="short queries" if q_len <= 64 else "base",
+             seed=q_len)
 
 
 @pytest.mark.parametrize("case", [dict(window=40), dict(causal=True),
-                                  dict(head_dim=64, dtype=torch.float16, heads_q=8, heads_kv=2)],
+                                  dict(head_dim=64, dtype=torch.float16, heads=(8, 2))],
                          ids=["window", "causal", "d64_fp16_gqa4"])
-def test_broadcast_q_variants(case):
-    run_case([200], PMA_KV_LENGTHS, broadcast_q=True, seed=7, **case)
+def test_broadcast_q_flags(case):
+    run_case([200], PMA_KV_LENGTHS, broadcast_q=True, tuning="base", seed=7, **case)
 
 
-def test_broadcast_q_long_d64():
-    """Broadcast-Q with 1024 query rows over long keys at D=64: three consumers (LONG_TUNING)."""
-    kv_lens = [2048, 1023, 1, 0, 3000, 1500, 1100]
-    assert jagged_fwd.is_long(1024 * len(kv_lens), sum(kv_lens), len(kv_lens))
-    run_case([1024], kv_lens, broadcast_q=True, head_dim=64, seed=11)
+def test_broadcast_q_three_consumers_d64():
+    """1024 shared query rows over long keys at D=64: three consumers."""
+    run_case([1024], [2048, 1023, 1, 0, 3000, 1500, 1100], broadcast_q=True, head_dim=64, tuning="long", seed=11)
 
 
-def test_no_keys_anywhere():
-    """Every KV sequence empty: no launch can read K, the wrapper writes 0 and -inf."""
-    run_case([5, 70], [0, 0])
+@pytest.mark.parametrize("q_lens,kv_lens", [([5, 70], [0, 0]), ([0, 0], [3, 5])], ids=["no_keys", "no_queries"])
+def test_no_keys_or_no_queries_anywhere(q_lens, kv_lens):
+    """Every key sequence empty, or every query sequence: no launch (a zero-row TMA view is invalid);
+    the runner writes 0 and -inf into the views, or nothing where there are no rows."""
+    run_case(q_lens, kv_lens)
