@@ -11,8 +11,9 @@ import pytest
 import torch
 import triton
 
-from jfa import schedule, specs
+from jfa import configs, schedule, specs
 from jfa.jagged import gem_lengths
+from jfa.kernels import bwd_dq, fwd_sm90
 
 pytestmark = pytest.mark.gpu
 
@@ -20,10 +21,13 @@ LENGTH_EDGES = (0, 1, 63, 64, 65, 127, 128, 129)
 MAX_LENGTHS = (64, 256, 1024, 4096)
 WINDOWS = (None, 0, 37, 300)
 RANDOM_SETS = 60
-# (BLOCK_M, BLOCK_N) of the kernels' configurations: each flag combination compiles its own builder
-FWD_BLOCKS = ((128, 128), (64, 128), (64, 64))
-BWD_BLOCKS = ((64, 128),)
-BUILD_BUDGET_MS = 0.25  # the forward's rebuild, GEM L=256 s=0.5, B=1152 (it was 0.3-0.95 ms)
+# (rows, keys) of the query tiles (forward, dQ kernel) and of the key tiles (dK/dV kernel) of every
+# configuration `jfa.configs` reaches: each flag combination compiles its own builder
+_REACHABLE = configs.reachable_configs()
+FWD_BLOCKS = tuple(sorted({(fwd_sm90.tile_rows(c), c.BLOCK_N) for c in _REACHABLE["forward"]}
+                          | {(bwd_dq.tile_rows(c), c.BLOCK_N) for c in _REACHABLE["dq"]}))
+BWD_BLOCKS = tuple(sorted({(c.BLOCK_M, c.BLOCK_N) for c in _REACHABLE["dkdv"]}))
+BUILD_BUDGET_MS = 0.25  # the forward's rebuild, GEM L=256 s=0.5, B=1152; the torch ops take longer
 BUILD_MIN_SPEEDUP = 3.0  # over the torch-ops build of the same list, timed in the same process
 POISON = -0x2A2A2A2A
 
@@ -97,17 +101,11 @@ def test_device_builders_equal_torch_builders():
                       schedule.block_table_torch(table_offsets, sum(kv_lens)), case)
 
 
-# The GPU test run spreads tests over several processes that share the one GPU, so a timing can
-# land while another worker's kernels hold it: twice in ten runs the rebuild measured over budget
-# (0.120 ms, 0.106 ms) with no change to the schedule code. The least contended of a few
-# measurements is taken as the build's. The host's launch speed also moves between processes: one
-# process alone on the H200 measured 49.6 us for the build (318 us by torch ops), the next, started
-# right after it, 121.9 us (582 us), the block table 17.9 then 57.2 us. So the build is held to a
-# speedup over the torch ops timed beside it (3.9-6.4x in those runs) and to a loose absolute bound
-# that the old path (0.3-0.95 ms) would break. Measured one after the other, the two still saw
-# different hosts: at dab9cdb the forward's build timed 87.8 us in all three tries and the torch ops
-# 227.6 us (2.6x), and three reruns measured 23.5-30.0 us against 220-237 us. So the tries
-# alternate between the builds, and each build takes its least contended try.
+# The GPU test run spreads tests over several processes that share the one GPU, and the host's launch
+# speed moves between processes, so one timing can land while another worker's kernels hold the GPU
+# or on a slower host moment. The build is therefore held to a speedup over the torch ops timed
+# beside it and to a loose absolute bound that a torch-ops build would break; the tries alternate
+# between the builds, and each build takes its least contended try.
 BUILD_TIMING_TRIES = 3
 
 
@@ -126,24 +124,24 @@ def _least_contended_build_ms(*builds) -> list[float]:
 def test_gem_rebuild_time():
     """Rebuilding the lists for GEM L=256 s=0.5, B=1152: the forward's must stay well under the torch
     ops' build and under BUILD_BUDGET_MS."""
-    from jfa.kernels import jagged_fwd
-
     lengths = gem_lengths(specs.GEM_BATCH, 256, 0.5, seed=specs.BENCH_SEED).tolist()
     offsets = _offsets(lengths).cuda()
     longest = max(lengths)
-    pairing = jagged_fwd.heads_per_tile(longest, specs.GEM_HEADS)
-    block_n = jagged_fwd.kernel_config(specs.GEM_HEAD_DIM, torch.bfloat16, heads_per_tile=pairing,
-                                       short_kv=jagged_fwd.is_short_kv(sum(lengths), len(lengths)))["BLOCK_N"]
+    shape = configs.Shape(head_dim=specs.GEM_HEAD_DIM, q_heads=specs.GEM_HEADS, kv_heads=specs.GEM_HEADS,
+                          total_q=sum(lengths), total_kv=sum(lengths), num_seqs=len(lengths), max_seq_len_q=longest,
+                          max_seq_len_kv=longest, causal=False, window=None, broadcast_q=False)
+    forward, dkdv = configs.forward_config(shape), configs.dkdv_config(shape, configs.dq_strategy(shape))
+    block_m, block_n = fwd_sm90.tile_rows(forward), forward.BLOCK_N
     fwd_ms, bwd_ms, table_ms, torch_ms = _least_contended_build_ms(
         lambda: schedule.build_tile_schedule(
-            offsets, offsets, max_seq_len_q=longest, block_m=jagged_fwd.tile_rows(pairing),
+            offsets, offsets, max_seq_len_q=longest, block_m=block_m,
             block_n=block_n, causal=False, window=None, broadcast_q=False, max_seq_len_kv=longest),
         lambda: schedule.build_kv_tile_schedule(
-            offsets, offsets, max_seq_len_kv=longest, broadcast_q_len=0, block_m=64, block_n=128,
-            causal=False, window=None, max_seq_len_q=longest),
+            offsets, offsets, max_seq_len_kv=longest, broadcast_q_len=0, block_m=dkdv.BLOCK_M,
+            block_n=dkdv.BLOCK_N, causal=False, window=None, max_seq_len_q=longest),
         lambda: schedule.build_block_table(offsets, sum(lengths)),
         lambda: schedule.build_tile_schedule(  # the torch-ops path: no max_seq_len_kv
-            offsets, offsets, max_seq_len_q=longest, block_m=jagged_fwd.tile_rows(pairing),
+            offsets, offsets, max_seq_len_q=longest, block_m=block_m,
             block_n=block_n, causal=False, window=None, broadcast_q=False))
     print(f"\nschedule rebuild, GEM L=256 s=0.5 B={specs.GEM_BATCH} (do_bench median): "
           f"fwd {fwd_ms * 1e3:.1f} us (torch ops {torch_ms * 1e3:.1f} us), "
