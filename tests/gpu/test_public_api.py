@@ -1,13 +1,15 @@
-"""`jfa.jagged_attention` on the H200: it runs the TLX kernels (no silent fallback), matches the fp32
-reference forward and backward, `deterministic=True` repeats its gradients bit for bit, outputs
-without scores are differentiable, and GPU offsets cost one sync per call."""
+"""`jfa.jagged_attention` on the H200: it runs the TLX kernels through `jfa.runner` (no silent
+fallback), matches the fp32 reference forward and backward, `deterministic=True` repeats its gradients
+bit for bit, a validated step captures in a CUDA graph, torch.compile traces it, outputs without scores
+are differentiable, and GPU offsets cost one sync per call."""
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 
 import jfa
-from jfa import ops, reference, specs
+from jfa import dispatch, ops, reference, runner, specs
 from tests.test_empty_outputs import SCORELESS, assert_scoreless_result, out_rows, scoreless_call
 
 pytestmark = pytest.mark.gpu
@@ -30,13 +32,23 @@ def _relerr(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
+def test_both_passes_have_their_kernels_here():
+    """Neither pass has a reason to fall back on this GPU for bf16 at D=128."""
+    q, k, v, _, _ = _inputs(seed=0)
+    assert dispatch.why_not_kernel(dispatch.FORWARD_KERNEL, q, k, v) is None
+    assert dispatch.why_not_kernel(dispatch.BACKWARD_KERNEL, q, k, v) is None
+
+
 def test_public_api_runs_the_kernels_and_matches_the_reference():
     q, k, v, offsets, dout = _inputs(seed=torch.seed() % 2**31)
     assert jfa.backend_for(q) == ops.KERNEL_BACKEND
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", jfa.ReferenceFallbackWarning)
-        out, lse = jfa.jagged_attention(q, k, v, offsets, offsets, causal=True, return_lse=True)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
+    with mock.patch.object(runner, "forward", wraps=runner.forward) as forward, \
+            mock.patch.object(runner, "backward", wraps=runner.backward) as backward:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", jfa.ReferenceFallbackWarning)
+            out, lse = jfa.jagged_attention(q, k, v, offsets, offsets, causal=True, return_lse=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert forward.call_count == 1 and backward.call_count == 1
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference.jagged_attention_ref(*leaves, offsets, offsets, causal=True)
     ref_grads = torch.autograd.grad(ref_out, leaves, dout.float())
@@ -78,6 +90,43 @@ def test_a_validated_step_captures_in_a_cuda_graph():
     assert torch.equal(out, want)
     for name, got, expected in zip("qkv", grads, want_grads):
         assert torch.equal(got, expected), f"d{name}"
+
+
+def _small_model_inputs(seed=6):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = [3, 64, 129, 0, 70]
+    rows, width, heads, head_dim = sum(lengths), 256, 2, 128
+    x = torch.randn(rows, width, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = (torch.randn(width, 3 * heads * head_dim, device="cuda", generator=gen) / width ** 0.5).to(torch.bfloat16)
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return x, w, offsets, max(lengths), heads, head_dim
+
+
+def _small_model(x, w, offsets, max_len, heads, head_dim):
+    q, k, v = (x @ w).unflatten(1, (3, heads, head_dim)).unbind(1)
+    out = jfa.jagged_attention(q.contiguous(), k.contiguous(), v.contiguous(), offsets, offsets, max_len, max_len,
+                               causal=True)
+    return out.float().square().mean()
+
+
+def _grads_of_small_model(fn):
+    x, w, offsets, max_len, heads, head_dim = _small_model_inputs()
+    x.requires_grad_()
+    w.requires_grad_()
+    loss = fn(x, w, offsets, max_len, heads, head_dim)
+    return (loss, *torch.autograd.grad(loss, (x, w)))
+
+
+def test_torch_compile_aot_eager_matches_eager():
+    """fullgraph torch.compile through the custom ops. backend="aot_eager" traces the graph (fake
+    kernels, autograd) without Inductor codegen, which on the GPU host would need the stock Triton
+    instead of the TLX one; the kernels themselves run eagerly inside the compiled graph."""
+    eager = _grads_of_small_model(_small_model)
+    with mock.patch.object(runner, "backward", wraps=runner.backward) as backward:
+        compiled = _grads_of_small_model(torch.compile(_small_model, backend="aot_eager", fullgraph=True))
+    assert backward.call_count == 1, "the compiled graph's backward did not run the kernels"
+    for name, a, b in zip(("loss", "dx", "dw"), eager, compiled):
+        torch.testing.assert_close(b.float(), a.float(), **specs.GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,broadcast_q", [c[1:] for c in SCORELESS], ids=[c[0] for c in SCORELESS])
