@@ -28,8 +28,13 @@ BLOCK_ATTN_GRAD_TOL = dict(atol=0.1, rtol=0.2)
 BLOCK_ATTN_GRAD_SNR_DB = 45.0
 ROTARY_FWD_SNR_DB = 35.0
 ROTARY_GRAD_SNR_DB = 20.0
-MXFP8_MIN_COSINE = 0.97
+MXFP8_MIN_COSINE = 0.97  # the MXFP8 work's bars for a whole quantized attention against fp32
 MXFP8_MIN_SQNR_DB = 8.0
+# The FP8 kernel (E4M3 inputs, P rounded to E4M3) against the fp32 reference on its own dequantized
+# inputs: it measures 31.6-32.2 dB on the FP8 suite and its numerics emulated 33 dB; P rounded to E5M2
+# instead, one mantissa bit less, emulates at 27 dB, under this bar.
+FP8_MIN_SQNR_DB = 28.0
+FP8_MIN_COSINE = 0.999
 FP8_OUT_DTYPE = torch.bfloat16  # the FP8 fork's output (E4M3 inputs; LSE stays fp32)
 
 # ---- FLOP formulas ----------------------------------------------------------------------------

@@ -809,15 +809,15 @@ def _compare_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: dict, 
 
 
 def _compare_agreement(name: str, got: torch.Tensor, want: torch.Tensor) -> TensorCheck:
-    """Cosine similarity and SQNR against the reference (FP8's measures, `specs.MXFP8_MIN_*`)."""
+    """Cosine similarity and SQNR against the reference (the FP8 kernel's bars, `specs.FP8_MIN_*`)."""
     from jfa.reference import fp8_agreement
 
     same_inf, max_abs, rel, sqnr = _errors(got, want)
     keep = ~same_inf & torch.isfinite(want)
     cosine, sqnr_db = fp8_agreement(got[keep], want[keep])
     bad = int((~torch.isfinite(got[keep])).sum())
-    passed = bad == 0 and cosine >= specs.MXFP8_MIN_COSINE and sqnr_db >= specs.MXFP8_MIN_SQNR_DB
-    words = f"cosine {cosine:.4f} >= {specs.MXFP8_MIN_COSINE}, SQNR >= {specs.MXFP8_MIN_SQNR_DB:g} dB"
+    passed = bad == 0 and cosine >= specs.FP8_MIN_COSINE and sqnr_db >= specs.FP8_MIN_SQNR_DB
+    words = f"cosine {cosine:.4f} >= {specs.FP8_MIN_COSINE}, SQNR >= {specs.FP8_MIN_SQNR_DB:g} dB"
     return TensorCheck(name, tuple(got.shape), max_abs, rel, sqnr_db, bad, got.numel(), words, passed)
 
 
