@@ -19,7 +19,7 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from jfa.kernels import launch
-from jfa.kernels.common import rows_descriptor
+from jfa.kernels.tma import rows_descriptor
 
 TARGET = GPUTarget("cuda", 90, 32)
 
