@@ -3,9 +3,9 @@
 Why: `kernel[grid](*args, **config)` re-binds every argument in Python on each call. It builds a
 dict of all the kernel's parameters (ours have 40-60, a third of them constexprs), specializes each
 one, formats the launch options into the cache key and looks the compiled kernel up by it. On the
-H200's host that came to 100-200 µs for each launch of our kernels, against 15-22 µs for an empty
-kernel (`results/host-time-bwd-*`), and a training step of a small jagged batch issues four of them
-plus the backward's TMA descriptors: the step waited on the CPU, not on the GPU.
+H200's host that comes to 100-200 µs for each launch of our kernels, against 15-22 µs for an empty
+kernel, and a training step of a small jagged batch issues four of them plus the backward's TMA
+descriptors: the step would wait on the CPU, not on the GPU (docs/decisions.md, CachedLaunch).
 
 `CachedLaunch(kernel)[grid](*args, **config)` keeps Triton's meaning. The first call of each
 specialization goes through Triton (which compiles or loads the kernel, then launches it), and the
@@ -16,9 +16,7 @@ the device and the global knobs Triton reads. A later call with the same key lau
 kernel directly, unless a module global the kernel reads has been rebound since: Triton checks that
 on every launch (and refuses a changed value), so such a call goes back through Triton. The key
 never says less than Triton's own (it keeps the whole specialization of every argument), so it can
-miss where Triton would hit but never hit where Triton would compile. Measured on the H200 against
-Triton's path, same process, 6 rounds (`results/ab-launch-cached-*`): a forward call 130 -> 89 µs of
-CPU, a backward call (three launches) 356 -> 233 µs.
+miss where Triton would hit but never hit where Triton would compile.
 
 Launch hooks (a profiler's `knobs.runtime.launch_enter_hook`) need Triton's launch metadata, so
 with one set every call goes through Triton, as does a grid given as a function and every call
