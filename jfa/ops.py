@@ -233,7 +233,7 @@ def jagged_attention(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offs
     q [Tq, Hq, D], k/v [Tk, Hkv, D] (Hq a multiple of Hkv), offsets int [B+1]. Returns out
     [Tq_out, Hq, D] in q's dtype, and lse float32 [Hq, Tq_out] when `return_lse`. Differentiable
     in q, k, v; `deterministic=True` makes the gradients bitwise repeatable run to run (without it
-    dQ may be summed by fp32 adds in arrival order: `jagged_bwd.default_dq_mode`). Offsets
+    dQ may be summed by fp32 adds in arrival order: `jfa.configs.dq_strategy`). Offsets
     kept on the CPU are read without a GPU sync. Under torch.compile only the
     checks that need no offset values run (reading values would break the graph).
     """

@@ -355,42 +355,6 @@ def test_recompute_vs_store_rejects_bad_sizes_by_name(name):
         jw.recompute_vs_store([1], [1], **kwargs)
 
 
-def test_every_recorded_dq_column_has_a_label():
-    """Each `bwd_<strategy>_ms` column of the committed bwd-timing recordings names a labeled strategy."""
-    rec = jw.newest_recorded(jw.BWD_TIMING_PATTERN, RESULTS)
-    assert rec is not None
-    columns = {key for row in rec.doc["rows"] for key in row if key.startswith("bwd_") and key.endswith("_ms")}
-    known = {f"bwd_{mode}_ms" for mode in jw.DQ_STRATEGY_LABELS} | set(jw._FIRST_RUN_DQ_COLUMNS)
-    assert columns and columns <= known, columns - known
-    assert set(jw._FIRST_RUN_DQ_COLUMNS.values()) <= set(jw.DQ_STRATEGY_LABELS)
-
-
-def test_dq_strategy_rows_reads_the_per_mode_columns():
-    doc = {"rows": [{"case": "gem L=256,s=0.5", "bwd_separate_ms": 1.5, "bwd_separate_tflops": 100.0,
-                     "bwd_tma_reduce_ms": 2.5, "bwd_tma_reduce_tflops": 60.0, "fwd_ms": 0.3}]}
-    rows = jw.dq_strategy_rows(doc)
-    assert [(r["suite"], r["case"], r["params"]["dq_mode"], r["ms"], r["tflops"]) for r in rows] == [
-        ("gem", "L=256,s=0.5", "separate", 1.5, 100.0), ("gem", "L=256,s=0.5", "tma_reduce", 2.5, 60.0)]
-    assert all(r["pass"] == "bwd" and r["ok"] and r["provider"] == jw.DQ_STRATEGY_LABELS[r["params"]["dq_mode"]]
-               for r in rows)
-
-
-def test_dq_strategy_rows_maps_the_first_runs_columns():
-    doc = {"rows": [{"case": "pma q=64,kv<=2048", "bwd_ms": 5.0, "bwd_tflops": 75.0, "bwd_deterministic_ms": 3.0,
-                     "bwd_deterministic_tflops": 117.0, "bcast_dq_reduce_ms": 0.01}]}
-    got = {r["params"]["dq_mode"]: (r["suite"], r["case"], r["ms"], r["tflops"]) for r in jw.dq_strategy_rows(doc)}
-    assert got == {"atomic": ("pma", "q=64,kv<=2048", 5.0, 75.0), "separate": ("pma", "q=64,kv<=2048", 3.0, 117.0)}
-
-
-def test_the_committed_bwd_timing_recording_is_labeled():
-    rec = jw.newest_recorded(jw.BWD_TIMING_PATTERN, RESULTS)
-    assert rec is not None and not rec.is_fixture
-    assert rec.env["gpu"] == "NVIDIA H200" and rec.env["commit"] and rec.env["date"] and rec.doc["source"]
-    line = jw.recording_line(rec)
-    assert rec.env["commit"] in line and rec.doc["source"] in line
-    assert jw.dq_strategy_rows(rec.doc), "no timing rows in the recording"
-
-
 def test_schedule_figure_titles_fit_their_columns():
     from jfa.workbench.plots import overflowing_titles
 

@@ -9,7 +9,7 @@ every query head of the GQA group) through the Q/dO ring. Each of the two consum
 keys and accumulates their dK and dV in registers, so dK and dV are written once per tile, in the
 input dtype, without atomics (the GQA group sum is a register sum).
 
-dQ sums over every key tile of a sequence. Three ways to form it (`DQ`):
+dQ sums over every key tile of a sequence. Four ways to form it (`DQ`):
 
 - DQ_NONE: this kernel computes dK and dV only, and `bwd_dq` computes dQ: deterministic. The step
   computes S^T = K Q^T (keys x queries), so P^T and dS^T feed the dV and dK wgmmas straight from

@@ -874,38 +874,6 @@ def recompute_vs_store(q_lens, kv_lens, heads: int, head_dim: int, *, p_element_
                 recompute_ms=recompute_flops / (H200_BF16_GEMM_TFLOPS * 1e12) * 1e3)
 
 
-BWD_TIMING_PATTERN = "bwd-timing-*.json"
-# The dQ strategies that bwd-timing files name (their dq_mode columns), labeled for tables and legends.
-DQ_STRATEGY_LABELS = {
-    "separate": "jfa, dQ separate kernel (deterministic)",
-    "atomic": "jfa, dQ fused: fp32 atomics",
-    "tma_reduce": "jfa, dQ fused: TMA reduce-add",
-}
-# The first development run (commit 382af7b) had two columns: `bwd_ms`, the default of that time
-# (the fused fp32-atomic dQ), and `bwd_deterministic_ms` (the separate dQ kernel). Later runs of
-# scripts/dev_bwd_gpu.sh write one `bwd_<dq_mode>_ms` column per strategy.
-_FIRST_RUN_DQ_COLUMNS = {"bwd_ms": "atomic", "bwd_deterministic_ms": "separate"}
-
-
-def dq_strategy_rows(doc: dict) -> list[dict]:
-    """A bwd-timing file's backward timings as jfa.workbench.bench rows: one per case and dQ strategy.
-
-    The file's case "gem L=256,s=0.5" becomes suite "gem", case "L=256,s=0.5" (the bench suites'
-    names), and the provider is the strategy's label, so jfa.workbench.plots draws them next to the peers.
-    """
-    rows = []
-    for timing in doc.get("rows", []):
-        suite, _, case = timing["case"].partition(" ")
-        columns = {f"bwd_{mode}_ms": mode for mode in DQ_STRATEGY_LABELS if f"bwd_{mode}_ms" in timing}
-        for column, mode in (columns or _FIRST_RUN_DQ_COLUMNS).items():
-            if timing.get(column) is None:
-                continue
-            rows.append({"suite": suite, "case": case, "provider": DQ_STRATEGY_LABELS[mode], "pass": "bwd",
-                         "ms": timing[column], "tflops": timing.get(column.replace("_ms", "_tflops")), "ok": True,
-                         "error": None, "params": {"dq_mode": mode}})
-    return rows
-
-
 def recording_line(rec: Recorded) -> str:
     """Every environment fact of a recording, untruncated (its commit may carry a note)."""
     facts = ", ".join(f"{key} {value}" for key, value in rec.env.items() if value is not None)
