@@ -17,7 +17,7 @@ from jfa import reference, runner, specs
 from jfa.dispatch import ReferenceFallbackWarning
 from jfa.kernels.forks.block_sparse import BLOCK_SPARSE_FORK, selection_params
 from jfa.sparse import canonical_selection, transposed_selection
-from tests.gpu.test_jagged_fwd import DEVICE, assert_guards_untouched, offsets, poisoned
+from tests.gpu.test_jagged_fwd import DEVICE, assert_guards_untouched, offsets, poisoned, random_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -44,15 +44,6 @@ def sparse_fork(kv_block_idx, off, heads, max_kv):
                            block_sparse=True)
 
 
-def make_inputs(lengths, heads, head_dim, dtype, seed):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    rows = sum(lengths)
-    q = torch.randn(rows, heads[0], head_dim, device=DEVICE, generator=gen).to(dtype)
-    k, v = (torch.randn(rows, heads[1], head_dim, device=DEVICE, generator=gen).to(dtype) for _ in range(2))
-    dout = torch.randn(rows, heads[0], head_dim, device=DEVICE, generator=gen).to(dtype)
-    return q, k, v, dout
-
-
 def forward_into_poison(q, k, v, off, longest, causal, fork=runner.PLAIN):
     """The runner's forward into NaN-poisoned views; checks nothing was written around them."""
     rows, heads, head_dim = q.shape
@@ -69,7 +60,7 @@ def forward_into_poison(q, k, v, off, longest, causal, fork=runner.PLAIN):
 
 def run_forward(lengths, kv_block_idx, *, heads=(4, 4), head_dim=128, dtype=torch.bfloat16, causal=False, seed=0):
     """The fork's forward into poisoned views, every element against the reference; returns (out, lse)."""
-    q, k, v, _ = make_inputs(lengths, heads, head_dim, dtype, seed)
+    q, k, v, _ = random_inputs(lengths, heads, seed, head_dim, dtype)
     off = offsets(lengths)
     longest = max(lengths, default=0)
     out, lse = forward_into_poison(q, k, v, off, longest, causal, sparse_fork(kv_block_idx, off, heads[0], longest))
@@ -116,7 +107,7 @@ def test_selecting_every_block_is_jagged_attention():
     widest = -(-max(lengths) // BLOCK)
     idx = torch.arange(widest, dtype=torch.int32, device=DEVICE).expand(len(lengths), 4, widest, widest).contiguous()
     off = offsets(lengths)
-    q, k, v, _ = make_inputs(lengths, (4, 4), 128, torch.bfloat16, seed=5)
+    q, k, v, _ = random_inputs(lengths, (4, 4), seed=5)
     sparse = forward_into_poison(q, k, v, off, 2048, True, sparse_fork(idx, off, 4, 2048))
     dense = forward_into_poison(q, k, v, off, 2048, True)
     for got, want in zip(sparse, dense):
@@ -138,7 +129,7 @@ def test_backward(name):
     specs.GRAD_TOL, rows of empty selections 0."""
     case = dict(heads=(4, 4), head_dim=64, dtype=torch.bfloat16, causal=False, max_sel=5) | BWD_CASES[name]
     lengths, heads, causal = case["lengths"], case["heads"], case["causal"]
-    q, k, v, dout = make_inputs(lengths, heads, case["head_dim"], case["dtype"], seed=len(name))
+    q, k, v, dout = random_inputs(lengths, heads, len(name), case["head_dim"], case["dtype"])
     off = offsets(lengths)
     idx = raw_selection(lengths, heads[0], max_sel=case["max_sel"], seed=len(name))
     longest = max(lengths)

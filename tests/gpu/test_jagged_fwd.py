@@ -42,6 +42,16 @@ def random_lengths(batch, low, high, seed):
     return torch.randint(low, high + 1, (batch,), generator=gen).tolist()
 
 
+def random_inputs(lengths, heads, seed, head_dim=128, dtype=torch.bfloat16):
+    """Fresh q, k, v and an upstream gradient dout over self-attention `lengths`, heads = (Hq, Hkv)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    rows = sum(lengths)
+    q = torch.randn(rows, heads[0], head_dim, device=DEVICE, generator=gen).to(dtype)
+    k, v = (torch.randn(rows, heads[1], head_dim, device=DEVICE, generator=gen).to(dtype) for _ in range(2))
+    dout = torch.randn(rows, heads[0], head_dim, device=DEVICE, generator=gen).to(dtype)
+    return q, k, v, dout
+
+
 def poisoned(shape, dtype, row_dim=0):
     """(buffer, view): a view of `shape` inside a NaN buffer with GUARD_ROWS or more poisoned rows on
     each side along `row_dim` (0 for `[T, H, D]` tensors, 1 for `[H, T]` LSEs)."""

@@ -18,7 +18,7 @@ import jfa
 from jfa import reference, runner, specs, variants
 from jfa.kernels.bwd_dkdv import DQ_SPLIT
 from jfa.variants import ALIBI, GLOBAL_TOKENS, SOFTCAP, alibi_slopes
-from tests.gpu.test_jagged_fwd import DEVICE, assert_guards_untouched, offsets, poisoned
+from tests.gpu.test_jagged_fwd import DEVICE, assert_guards_untouched, offsets, poisoned, random_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -34,15 +34,6 @@ def variant_params(name, q_heads):
 
 VARIANTS = {"alibi": ALIBI, "global_tokens": GLOBAL_TOKENS, "softcap": SOFTCAP}
 HEADS = {"alibi": (8, 2), "global_tokens": (4, 4), "softcap": (4, 4)}  # ALiBi's slopes per query head, with GQA
-
-
-def make_inputs(lengths, heads, seed, head_dim=128, dtype=torch.bfloat16):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    rows = sum(lengths)
-    q = torch.randn(rows, heads[0], head_dim, device=DEVICE, generator=gen).to(dtype)
-    k, v = (torch.randn(rows, heads[1], head_dim, device=DEVICE, generator=gen).to(dtype) for _ in range(2))
-    dout = torch.randn(rows, heads[0], head_dim, device=DEVICE, generator=gen).to(dtype)
-    return q, k, v, dout
 
 
 def reference_of(variant, q, k, v, dout, off, *, causal, params):
@@ -92,7 +83,7 @@ def test_variant_matches_its_reference(name, causal):
     """Forward and backward (the configured dQ strategy) of each example against its reference,
     which differs from plain attention (the hooks change the result)."""
     variant, heads = VARIANTS[name], HEADS[name]
-    q, k, v, dout = make_inputs(LENGTHS, heads, seed=len(name) + causal)
+    q, k, v, dout = random_inputs(LENGTHS, heads, seed=len(name) + causal)
     off = offsets(LENGTHS)
     params = variant_params(name, heads[0])
     ref_out, ref_lse, ref_grads = reference_of(variant, q, k, v, dout, off, causal=causal, params=params)
@@ -106,7 +97,7 @@ def test_variant_matches_its_reference(name, causal):
 def test_fused_dq_takes_the_variant_hooks(name):
     """dQ fused into the dK/dV kernel (DQ_SPLIT) applies the mask, block mask and score derivative too."""
     variant, heads = VARIANTS[name], HEADS[name]
-    q, k, v, dout = make_inputs(LENGTHS, heads, seed=len(name))
+    q, k, v, dout = random_inputs(LENGTHS, heads, seed=len(name))
     off = offsets(LENGTHS)
     params = variant_params(name, heads[0])
     assert_matches(*run_kernels(variant, q, k, v, dout, off, causal=False, params=params, dq_strategy=DQ_SPLIT.value),
@@ -143,7 +134,7 @@ def test_a_block_mask_skips_the_blocks_it_rules_out():
     """The forward, dQ and dK/dV kernels neither load nor compute the key tiles a block mask rules out:
     the result is attention without those keys (dK, dV exactly 0 there), not the variant's reference."""
     lengths = [0, 1, 100, 128, 129, 300, 700]
-    q, k, v, dout = make_inputs(lengths, (4, 4), seed=17)
+    q, k, v, dout = random_inputs(lengths, (4, 4), seed=17)
     off = offsets(lengths)
     params = (RULED_OUT_KEYS,)
     assert WRONG_BLOCK_MASK.fork.block_mask is not None
@@ -184,7 +175,7 @@ def test_a_notebook_variant_runs_through_its_public_call():
     """A score modification reading a tensor per sequence and a mask, defined in this module: the
     variant's call runs the kernels (no fallback) and matches its reference, forward and backward."""
     lengths = [3, 64, 129, 0, 300]
-    q, k, v, dout = make_inputs(lengths, (4, 2), seed=23)
+    q, k, v, dout = random_inputs(lengths, (4, 2), seed=23)
     off = offsets(lengths)
     temperatures = torch.linspace(0.5, 2.0, len(lengths), device=DEVICE)
     params = (temperatures, 50)
