@@ -270,6 +270,24 @@ def _digest(path: str) -> str:
 
 
 # ---- the tests -----------------------------------------------------------------------------------
+def _run_marked(driver, lab, path: str, marks: dict, what: str) -> str:
+    """Open `path` in the lab, mark the cells whose source holds marks' keys, run every cell and
+    return the outputs' text once all ran, asserting none failed and every output rendered."""
+    url, base, token = lab
+    _open(driver, f"{base}/lab/tree/{path}?token={token}", path)
+    for source, mark in marks.items():
+        _mark_cell(driver, source, mark)
+    _run_all(driver)
+
+    def ran():
+        text = _outputs_text(driver)
+        return text if "Traceback" in text or _all_cells_ran(driver) else None
+    text = _wait_for(ran, RUN_ALL_S, f"every cell of {what}", lambda: _page_text(driver))
+    assert "Traceback" not in text, f"a cell failed in JupyterLab:\n{text[-4000:]}"
+    assert not [b for b in BROKEN_OUTPUT if b in text], f"an output did not render:\n{text[-4000:]}"
+    return text
+
+
 def test_make_lab_opens_start_here_with_the_repository_as_root(lab, browser, artifacts):
     from selenium.webdriver.common.by import By
 
@@ -322,19 +340,8 @@ def test_ring_panel_redraws_in_place(lab, browser, artifacts):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    url, base, token = lab
     on_disk = _digest(PIPELINES)
-    _open(browser, f"{base}/lab/tree/{PIPELINES}?token={token}", PIPELINES)
-    _mark_cell(browser, RING_PANEL, "ring")
-    _mark_cell(browser, BUDGET_PANEL, "budget")
-    _run_all(browser)
-
-    def ran():
-        text = _outputs_text(browser)
-        return text if "Traceback" in text or _all_cells_ran(browser) else None
-    text = _wait_for(ran, RUN_ALL_S, "every cell of notebook 02", lambda: _page_text(browser))
-    assert "Traceback" not in text, f"a cell failed in JupyterLab:\n{text[-4000:]}"
-    assert not [b for b in BROKEN_OUTPUT if b in text], f"an output did not render:\n{text[-4000:]}"
+    text = _run_marked(browser, lab, PIPELINES, {RING_PANEL: "ring", BUDGET_PANEL: "budget"}, "notebook 02")
 
     def drawn():
         state = _cell_state(browser, "ring")
@@ -388,18 +395,8 @@ def test_fork_notebook_runs_and_its_sweep_panel_redraws_in_place(lab, browser, a
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    url, base, token = lab
     on_disk = _digest(JAGGED)
-    _open(browser, f"{base}/lab/tree/{JAGGED}?token={token}", JAGGED)
-    _mark_cell(browser, SWEEP_PANEL, "sweep")
-    _run_all(browser)
-
-    def ran():
-        text = _outputs_text(browser)
-        return text if "Traceback" in text or _all_cells_ran(browser) else None
-    text = _wait_for(ran, RUN_ALL_S, "every cell of notebook 03", lambda: _page_text(browser))
-    assert "Traceback" not in text, f"a cell failed in JupyterLab:\n{text[-4000:]}"
-    assert not [b for b in BROKEN_OUTPUT if b in text], f"an output did not render:\n{text[-4000:]}"
+    text = _run_marked(browser, lab, JAGGED, {SWEEP_PANEL: "sweep"}, "notebook 03")
 
     def drawn():
         state = _cell_state(browser, "sweep")
