@@ -112,7 +112,10 @@ def run(out_path: Path, old_dir: Path, suites: list[str], rounds: int, candidate
     build_new, build_old, build_forced = _providers(runner, bwd_dkdv)
     registry = {"jfa": build_new, "old": build_old}
     registry.update({name: build_forced(strategy) for name, strategy in candidates.items()})
+    old_commit = (old_dir / OLD_PACKAGE / "COMMIT").read_text().strip()
     cases = []
+    report = dict(kind="ab-against-commit", old_commit=old_commit, peers=["old", *candidates], env=envinfo.environment(),
+                  rounds=rounds, cases=cases, summary={})
     for suite in suites:
         for case in specs.BENCH_SUITES[suite]:
             peers = ("old",) + tuple(name for name in candidates if case["head_dim"] in candidate_dims)
@@ -123,13 +126,11 @@ def run(out_path: Path, old_dir: Path, suites: list[str], rounds: int, candidate
             except Exception as exc:  # a case that fails is a row that says so
                 row = dict(suite=suite, case=case["case"], error=f"{type(exc).__name__}: {exc}")
             cases.append(row)
+            report["summary"] = _geometric_means(cases)
+            out_path.write_text(json.dumps(report, indent=1, default=str) + "\n")  # rewritten after every case
             if "error" not in row:
                 print("  " + ", ".join(f"{peer}: fwd {s['fwd']:.3f}x bwd {s['bwd']:.3f}x"
                                        for peer, s in row["speedups"].items()), flush=True)
-    old_commit = (old_dir / OLD_PACKAGE / "COMMIT").read_text().strip()
-    report = dict(kind="ab-against-commit", old_commit=old_commit, peers=["old", *candidates], env=envinfo.environment(),
-                  rounds=rounds, cases=cases, summary=_geometric_means(cases))
-    out_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(json.dumps(report["summary"], indent=1))
 
 
