@@ -187,10 +187,11 @@ def dq_config(shape: Shape) -> DQConfig:
 
 def dq_strategy(shape: Shape) -> int:
     """How dQ is formed for this call: DQ_NONE (the dQ kernel), DQ_RESIDENT, or the head dim's fused mode."""
-    if shape.block_sparse:
+    if shape.block_sparse or shape.block_mask:
+        # Forks that skip query blocks take the dQ kernel: DQ_SPLIT loads the next query block's LSE and
+        # Delta a step ahead, which a skipped block would misalign.
         return DQ_NONE.value
-    one_block = (shape.broadcast_q and shape.total_q <= DKDV_BASE[shape.head_dim]["BLOCK_M"]
-                 and shape.q_heads == shape.kv_heads and shape.head_dim in RESIDENT)
+    one_block = _resident_applies(shape)
     if shape.broadcast_q and shape.num_sms > shape.num_seqs:
         return DQ_NONE.value  # a fused mode's dQ copy per program would outnumber the per-sequence partials
     if one_block:  # deterministic as well: each program stores its dQ once
@@ -204,11 +205,37 @@ def dq_strategy(shape: Shape) -> int:
     return fused["strategy"]
 
 
+def _resident_applies(shape: Shape) -> bool:
+    """DQ_RESIDENT's condition: broadcast-Q of one query block, one query head per key head."""
+    return (shape.broadcast_q and shape.total_q <= DKDV_BASE[shape.head_dim]["BLOCK_M"]
+            and shape.q_heads == shape.kv_heads and shape.head_dim in RESIDENT)
+
+
+def check_dq_strategy(shape: Shape, strategy: int) -> None:
+    """Raise ValueError unless the dK/dV kernel can form dQ this way for this call (a forced strategy)."""
+    names = {DQ_NONE.value: "DQ_NONE", DQ_SPLIT.value: "DQ_SPLIT", DQ_HANDOFF.value: "DQ_HANDOFF",
+             DQ_RESIDENT.value: "DQ_RESIDENT"}
+    if strategy not in names:
+        raise ValueError(f"dq_strategy: one of bwd_dkdv's {sorted(names.values())} values, got {strategy!r}")
+    if strategy == DQ_NONE.value:
+        return
+    name = names[strategy]
+    if shape.block_sparse or shape.block_mask:
+        raise ValueError(f"dq_strategy: a fork that skips query blocks takes the dQ kernel (DQ_NONE), not {name}")
+    if strategy == DQ_HANDOFF.value and shape.head_dim != 64:
+        raise ValueError(f"dq_strategy: DQ_HANDOFF's stages fit shared memory at head dim 64 only, not {shape.head_dim}")
+    if strategy == DQ_RESIDENT.value and not _resident_applies(shape):
+        raise ValueError("dq_strategy: DQ_RESIDENT needs broadcast-Q of one query block, one query head per key "
+                         f"head and a head dim in {sorted(RESIDENT)}")
+
+
 def dkdv_config(shape: Shape, strategy: int) -> DKDVConfig:
     """The dK/dV kernel's configuration for a dQ strategy."""
     d = shape.head_dim
     tuning = dict(DKDV_BASE[d])
     tuning["V_BUFFERS"] = tuning["KV_BUFFERS"]
+    # The mask-free bulk is a range of consecutive query blocks; a selection's blocks are not.
+    tuning["MASK_FREE_BULK"] = tuning["MASK_FREE_BULK"] and not shape.block_sparse
     early_v = False
     if strategy in (DQ_SPLIT.value, DQ_HANDOFF.value):
         tuning["KV_BUFFERS"] = tuning["V_BUFFERS"] = FUSED[d]["kv_buffers"]

@@ -96,8 +96,9 @@ def backward(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q: int,
     """(dq, dk, dv) in the dtypes of q, k, v; `out`, `lse` are the forward's.
 
     `grads` may give the (dq, dk, dv) buffers to fill, so tests can poison them. `dq_strategy`
-    (bwd_dkdv's DQ_*) replaces the configured one (tests; DQ_RESIDENT only where it applies, DQ_SPLIT
-    and DQ_HANDOFF at either head dim).
+    (bwd_dkdv's DQ_*) replaces the configured one where the kernel can run it (`configs.check_dq_strategy`:
+    DQ_SPLIT at either head dim, DQ_HANDOFF at 64, DQ_RESIDENT where it applies, none but DQ_NONE for
+    forks that skip query blocks).
     `deterministic=True` makes every gradient bitwise repeatable: dQ by the dQ kernel, or by
     DQ_RESIDENT's fixed-order sum.
     """
@@ -115,7 +116,11 @@ def backward(dout, q, k, v, out, lse, q_offsets, kv_offsets, max_seq_len_q: int,
     qk_scale_log2 = sm_scale * LOG2E.value
     shape = call_shape(q, k, kv_offsets, max_seq_len_q, max_seq_len_kv, causal, window, broadcast_q,
                        deterministic=deterministic, fork=fork)
-    strategy = configs.dq_strategy(shape) if dq_strategy is None else dq_strategy
+    if dq_strategy is None:
+        strategy = configs.dq_strategy(shape)
+    else:
+        configs.check_dq_strategy(shape, dq_strategy)
+        strategy = dq_strategy
     config = configs.dkdv_config(shape, strategy)
     delta = bwd_delta.compute_delta(out, dout)
     key_tiles = schedule.build_kv_tile_schedule(q_offsets, kv_offsets, max_seq_len_kv=max_seq_len_kv,

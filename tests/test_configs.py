@@ -20,7 +20,7 @@ from tests.suite_shapes import mean_keys, mean_queries, suite_cases, suite_shape
 
 # The constexpr sets one 16-bit dtype reaches (docs/decisions.md reports them against the old kernels'
 # 352 forward, whose kernel was also the dQ kernel, and 60 backward).
-REACHABLE_COUNTS = {"forward": 64, "dq": 56, "dkdv": 36}
+REACHABLE_COUNTS = {"forward": 64, "dq": 56, "dkdv": 38}
 FEATURE_SETS = len(specs.SUPPORTED_HEAD_DIMS) * 2 * 2 * 2  # head dim x causal x window x broadcast-Q
 MAX_FORWARD_TUNINGS_PER_FEATURE_SET = 4  # base, short keys, short queries or long, each with or without half tails
 
@@ -280,14 +280,15 @@ def _features(config) -> tuple:
 
 def test_feature_flags_multiply_and_tunings_are_few(reachable):
     """Every feature set is reachable; each has at most a few forward and dQ tunings, and the dK/dV
-    kernel has exactly one configuration per feature set and dQ strategy."""
+    kernel has exactly one configuration per feature set, dQ strategy and query iteration (the
+    block-sparse fork's selected blocks run no mask-free bulk)."""
     for kernel in ("forward", "dq"):
         per_features = {}
         for config in reachable[kernel]:
             per_features.setdefault(_features(config), []).append(config)
         assert len(per_features) == FEATURE_SETS, kernel
         assert max(map(len, per_features.values())) <= MAX_FORWARD_TUNINGS_PER_FEATURE_SET, kernel
-    strategies = {_features(c) + (c.DQ,) for c in reachable["dkdv"]}
+    strategies = {_features(c) + (c.DQ, c.MASK_FREE_BULK) for c in reachable["dkdv"]}
     assert len(strategies) == len(reachable["dkdv"])
 
 
@@ -322,3 +323,33 @@ def test_the_resident_grid_keeps_one_key_head_per_program():
     assert dkdv_programs(resident, 132, 2, 4) == 8  # no more programs than tiles
     assert dkdv_programs(resident, 132, 10**6, 200) == 200  # at least one program per key head
     assert dkdv_programs(DQ_SPLIT.value, 132, 2, 4) == 8
+
+
+def test_forks_that_skip_query_blocks_take_the_dq_kernel():
+    """A block mask or a selection skips query blocks, which DQ_SPLIT's look-ahead and DQ_RESIDENT's
+    single block do not follow: such forks always get the dQ kernel, even where a plain call fuses."""
+    for case in ALL_CASES:
+        for flags in (dict(block_mask=True), dict(block_sparse=True, base_tiles=True)):
+            shape = suite_shape(*case, **flags)
+            assert configs.dq_strategy(shape) == DQ_NONE.value, (case, flags)
+            if shape.block_sparse:
+                assert not configs.select(shape).dkdv.MASK_FREE_BULK, case
+
+
+@pytest.mark.parametrize("shape_flags, strategy, message", [
+    (dict(block_mask=True), DQ_SPLIT.value, "takes the dQ kernel"),
+    (dict(head_dim=128), DQ_HANDOFF.value, "head dim 64 only"),
+    (dict(head_dim=128), DQ_RESIDENT.value, "DQ_RESIDENT needs"),
+    (dict(head_dim=128), 7, "dq_strategy: one of"),
+])
+def test_a_forced_dq_strategy_the_kernel_cannot_run_is_refused(shape_flags, strategy, message):
+    shape = configs.gem_like_shape(**shape_flags)
+    with pytest.raises(ValueError, match=message):
+        configs.check_dq_strategy(shape, strategy)
+
+
+def test_every_strategy_the_configs_choose_passes_the_check():
+    for case in ALL_CASES:
+        for flags in ({}, dict(deterministic=True), dict(causal=True)):
+            shape = suite_shape(*case, **flags)
+            configs.check_dq_strategy(shape, configs.dq_strategy(shape))
