@@ -2,10 +2,12 @@
 
 Each function computes in float32 (float64 when given float64, so tests can check the references
 themselves), runs on any device and is differentiable with autograd, which makes it the backward
-reference too. The semantics are those of `docs/CONTRACTS.md`; where a choice had to be made it is
-written in the docstring. The jagged reference is also the CPU fallback of `jfa.jagged_attention`,
-so it loops over sequences with one batched matmul per sequence (never a padded `[B, L, L]` score
-tensor, which would not fit for the GEM-like shapes).
+reference too. With `upcast=False` the jagged and block-sparse references compute in the inputs' own
+dtype instead, as a PyTorch model would: their error is the baseline of the gpu tests' gradient
+bound (`specs.GRAD_BASELINE_FACTOR`). The semantics are those of `docs/CONTRACTS.md`; where a choice
+had to be made it is written in the docstring. The jagged reference is also the CPU fallback of
+`jfa.jagged_attention`, so it loops over sequences with one batched matmul per sequence (never a
+padded `[B, L, L]` score tensor, which would not fit for the GEM-like shapes).
 """
 from __future__ import annotations
 
@@ -44,8 +46,11 @@ E8M0_BIAS = 127
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64 (for checking the references), else float32."""
+def _compute_dtype(*tensors: torch.Tensor, upcast: bool = True) -> torch.dtype:
+    """float64 if any input is float64 (for checking the references), else float32; the first input's
+    own dtype where `upcast` is False."""
+    if not upcast:
+        return tensors[0].dtype
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -78,7 +83,7 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale
     if score_mod is not None:
-        scores = score_mod(scores)
+        scores = score_mod(scores).to(scores.dtype)  # a hook's fp32 parameters do not promote the scores
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -101,8 +106,8 @@ def _expand_kv_heads(t: torch.Tensor, q_heads: int) -> torch.Tensor:
 
 def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                          kv_offsets: torch.Tensor, *, sm_scale: float | None = None, causal: bool = False,
-                         window: int | None = None, broadcast_q: bool = False, score_mod=None, mask_mod=None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         window: int | None = None, broadcast_q: bool = False, score_mod=None, mask_mod=None,
+                         upcast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Jagged (variable-length) softmax attention; returns (out [Tq_out, Hq, D], lse [Hq, Tq_out]).
 
     q is [Tq, Hq, D], k and v [Tk, Hkv, D] with Hq = G*Hkv; offsets are [B+1] prefix sums. With
@@ -113,8 +118,9 @@ def jagged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_of
     A variant's hooks, as torch functions (`jfa.variants`): `score_mod(score, seq, head, q_idx, k_idx)`
     modifies the scaled scores and `mask_mod(seq, head, q_idx, k_idx)` hides pairs on top of causal
     and window; `head` is [H, 1, 1], `q_idx` [1, lq, 1], `k_idx` [1, 1, lk], `seq` an int.
+    `upcast=False` computes in the inputs' dtype (module docstring).
     """
-    dtype = _compute_dtype(q, k, v)
+    dtype = _compute_dtype(q, k, v, upcast=upcast)
     q, k, v = q.to(dtype), _expand_kv_heads(k.to(dtype), q.shape[1]), _expand_kv_heads(v.to(dtype), q.shape[1])
     heads, head_dim = q.shape[1], q.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
@@ -263,7 +269,7 @@ def _selected_keys(chosen: torch.Tensor, lq: int, lk: int, block_m: int, block_n
 
 def block_sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
                                kv_offsets: torch.Tensor, kv_block_idx: torch.Tensor, block_m: int, block_n: int,
-                               *, sm_scale: float | None = None, causal: bool = False
+                               *, sm_scale: float | None = None, causal: bool = False, upcast: bool = True
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Jagged attention where each query block sees only its selected key blocks.
 
@@ -273,8 +279,9 @@ def block_sparse_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     n_q_blocks covers the longest query sequence; rows beyond a sequence and block numbers beyond
     its KV length are ignored; a repeated block counts once. `causal` further masks inside the
     selection. Returns (out [Tq, Hq, D], lse [Hq, Tq]); rows that select nothing get 0 and -inf.
+    `upcast=False` computes in the inputs' dtype (module docstring).
     """
-    dtype = _compute_dtype(q, k, v)
+    dtype = _compute_dtype(q, k, v, upcast=upcast)
     q, k, v = q.to(dtype), _expand_kv_heads(k.to(dtype), q.shape[1]), _expand_kv_heads(v.to(dtype), q.shape[1])
     heads, head_dim = q.shape[1], q.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

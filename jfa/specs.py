@@ -24,6 +24,11 @@ FWD_TOL = dict(atol=1e-2, rtol=1e-2)
 GRAD_TOL = dict(atol=2e-2, rtol=2e-2)
 FWD_RELERR = 1e-2  # ||out - ref|| / ||ref||, bf16/fp16 forward
 GRAD_RELERR = 2e-2
+# An element past GRAD_TOL passes where the tensor's largest error is at most this many times that of
+# the same computation in PyTorch in the kernels' dtype (FlashAttention's test criterion): a 16-bit
+# gradient summed over many rows carries an absolute error that grows with them, which no fixed atol
+# bounds.
+GRAD_BASELINE_FACTOR = 2.0
 BLOCK_ATTN_GRAD_TOL = dict(atol=0.1, rtol=0.2)
 BLOCK_ATTN_GRAD_SNR_DB = 45.0
 ROTARY_FWD_SNR_DB = 35.0

@@ -85,16 +85,17 @@ class Variant:
     def reference(self, q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
                   max_seq_len_q: int | None = None, max_seq_len_kv: int | None = None, *,
                   sm_scale: float | None = None, causal: bool = False, window: int | None = None,
-                  broadcast_q: bool = False, return_lse: bool = False, params: tuple = ()):
+                  broadcast_q: bool = False, return_lse: bool = False, params: tuple = (), upcast: bool = True):
         """The variant in PyTorch, fp32 (fp64 given fp64), differentiable: its hooks' twins in
-        `jfa.reference.jagged_attention_ref`. The arguments are `__call__`'s."""
+        `jfa.reference.jagged_attention_ref`. The arguments are `__call__`'s; `upcast=False` computes
+        in the inputs' dtype instead."""
         problem = jagged.validate_jagged_attention(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_seq_len_kv,
                                                    sm_scale=sm_scale, causal=causal, window=window,
                                                    broadcast_q=broadcast_q)
-        out, lse = self._reference(q, k, v, q_offsets, kv_offsets, problem, _checked_params(params, q))
+        out, lse = self._reference(q, k, v, q_offsets, kv_offsets, problem, _checked_params(params, q), upcast)
         return (out, lse) if return_lse else out
 
-    def _reference(self, q, k, v, q_offsets, kv_offsets, problem: jagged.JaggedProblem, params):
+    def _reference(self, q, k, v, q_offsets, kv_offsets, problem: jagged.JaggedProblem, params, upcast=True):
         twin_params = tuple(TwinPointer(p) if torch.is_tensor(p) else p for p in params)
         score_mod = mask_mod = None
         if self.fork.score_mod is not None:
@@ -110,7 +111,7 @@ class Variant:
         return reference.jagged_attention_ref(q, k, v, q_offsets, kv_offsets, sm_scale=problem.sm_scale,
                                               causal=problem.causal, window=problem.window,
                                               broadcast_q=problem.broadcast_q, score_mod=score_mod,
-                                              mask_mod=mask_mod)
+                                              mask_mod=mask_mod, upcast=upcast)
 
     # ---- checking and inspecting it ------------------------------------------------------------------
     def check_block_mask(self, q_len: int, kv_len: int, *, params: tuple = (), heads: int = 1, block_m: int = 64,

@@ -131,6 +131,10 @@ def test_custom_scale_float64_and_low_precision_inputs():
     assert out16.dtype == torch.float32  # bf16 is upcast, never computed in bf16
     want16, _ = naive_attention(q16, k16, v16, Q_LENS, KV_LENS, 0.3, mask_rule(False, 4))
     torch.testing.assert_close(out16.double(), want16, **FP32_TOL)
+    low16, _ = reference.jagged_attention_ref(q16, k16, v16, *args, sm_scale=0.3, window=4, upcast=False)
+    assert low16.dtype == torch.bfloat16  # upcast=False: PyTorch's own bf16 computation, the tests' baseline
+    torch.testing.assert_close(low16.double(), want16, **specs.FWD_TOL)
+    assert not torch.equal(low16.double(), out16.to(torch.bfloat16).double())  # it did compute in bf16
 
 
 GRAD_CASES = [(False, None, False), (True, 2, False), (True, None, True), (False, 1, True)]

@@ -69,6 +69,26 @@ def assert_guards_untouched(buffer, view, row_dim=0):
     assert torch.isnan(before).all() and torch.isnan(after).all(), "written outside the tensor"
 
 
+def assert_grad_close(name, got, want, same_dtype_grad):
+    """A kernel gradient against the fp32 reference's `want`: nothing NaN or Inf, the norm of the error
+    within specs.GRAD_RELERR, and every element within specs.GRAD_TOL, or, where some element is past
+    it, the largest error at most specs.GRAD_BASELINE_FACTOR times that of `same_dtype_grad()` (the
+    reference run in the kernels' dtype, computed only then)."""
+    assert not torch.isnan(got).any(), f"{name}: rows left unwritten (still NaN)"
+    assert torch.isfinite(got).all(), f"{name}: Inf"
+    error = got.float() - want
+    relerr = (error.norm() / want.norm().clamp_min(1e-30)).item()
+    assert relerr <= specs.GRAD_RELERR, f"{name}: relative error {relerr:.2e}"
+    past = ~torch.isclose(got.float(), want, **specs.GRAD_TOL)
+    if not past.any():
+        return
+    worst = error.abs().max().item()
+    baseline = (same_dtype_grad().float() - want).abs().max().item()
+    assert worst <= specs.GRAD_BASELINE_FACTOR * baseline, (
+        f"{name}: {int(past.sum())} of {got.numel()} elements past specs.GRAD_TOL and the largest error "
+        f"{worst:.3e} over {specs.GRAD_BASELINE_FACTOR:g}x PyTorch's own in {got.dtype} ({baseline:.3e})")
+
+
 def assert_tuning(q, k, kv_off, max_q, max_kv, causal, window, broadcast_q, tuning, half_tail):
     """`configs.forward_config` picks the named tuning (and half last key tiles or not) for this call."""
     config = configs.forward_config(runner.call_shape(q, k, kv_off, max_q, max_kv, causal, window, broadcast_q))

@@ -18,7 +18,7 @@ import jfa
 from jfa import reference, runner, specs, variants
 from jfa.kernels.bwd_dkdv import DQ_SPLIT
 from jfa.variants import ALIBI, GLOBAL_TOKENS, SOFTCAP, alibi_slopes
-from tests.gpu.test_jagged_fwd import DEVICE, assert_guards_untouched, offsets, poisoned, random_inputs
+from tests.gpu.test_jagged_fwd import DEVICE, assert_grad_close, assert_guards_untouched, offsets, poisoned, random_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -36,11 +36,17 @@ VARIANTS = {"alibi": ALIBI, "global_tokens": GLOBAL_TOKENS, "softcap": SOFTCAP}
 HEADS = {"alibi": (8, 2), "global_tokens": (4, 4), "softcap": (4, 4)}  # ALiBi's slopes per query head, with GQA
 
 
-def reference_of(variant, q, k, v, dout, off, *, causal, params):
-    """(out, lse, (dq, dk, dv)) of the variant's fp32 reference, by autograd."""
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    out, lse = variant.reference(*leaves, off, off, causal=causal, params=params, return_lse=True)
-    return out.detach(), lse.detach(), torch.autograd.grad(out, leaves, dout.float())
+def reference_of(variant, q, k, v, dout, off, *, causal, params, upcast=True):
+    """(out, lse, (dq, dk, dv)) of the variant's fp32 reference (in q's dtype with `upcast=False`), by
+    autograd."""
+    leaves = [(t.detach().float() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
+    out, lse = variant.reference(*leaves, off, off, causal=causal, params=params, return_lse=True, upcast=upcast)
+    return out.detach(), lse.detach(), torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+
+def same_dtype_grads_of(variant, q, k, v, dout, off, *, causal, params):
+    """The reference's gradients in the kernels' dtype, when called: `assert_matches`'s baseline."""
+    return lambda: reference_of(variant, q, k, v, dout, off, causal=causal, params=params, upcast=False)[2]
 
 
 def run_kernels(variant, q, k, v, dout, off, *, causal, params, dq_strategy=None):
@@ -63,18 +69,16 @@ def run_kernels(variant, q, k, v, dout, off, *, causal, params, dq_strategy=None
     return out, lse, grads
 
 
-def assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads):
-    """Every element of out, lse and the gradients within specs' tolerances; nothing left NaN."""
+def assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, same_dtype_grads):
+    """Every element of out and lse within specs' tolerances, the gradients by `assert_grad_close`
+    (`same_dtype_grads()`: the reference's in the kernels' dtype); nothing left NaN."""
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "rows left unwritten (still NaN)"
     relerr = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-6)).item()
     assert relerr <= specs.FWD_RELERR, f"out: relative error {relerr:.2e}"
     torch.testing.assert_close(out.float(), ref_out, **specs.FWD_TOL)
     torch.testing.assert_close(lse, ref_lse, **specs.FWD_TOL)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert not torch.isnan(got).any(), f"{name}: rows left unwritten (still NaN)"
-        relerr = ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
-        assert relerr <= specs.GRAD_RELERR, f"{name}: relative error {relerr:.2e}"
-        torch.testing.assert_close(got.float(), want, **specs.GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+    for i, (name, got, want) in enumerate(zip(("dq", "dk", "dv"), grads, ref_grads)):
+        assert_grad_close(name, got, want, lambda i=i: same_dtype_grads()[i])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -90,7 +94,8 @@ def test_variant_matches_its_reference(name, causal):
     plain, _ = reference.jagged_attention_ref(q, k, v, off, off, causal=causal)
     assert not torch.allclose(ref_out, plain, **specs.FWD_TOL), "the variant's hooks change nothing here"
     assert_matches(*run_kernels(variant, q, k, v, dout, off, causal=causal, params=params),
-                   ref_out, ref_lse, ref_grads)
+                   ref_out, ref_lse, ref_grads, same_dtype_grads_of(variant, q, k, v, dout, off, causal=causal,
+                                                                    params=params))
 
 
 @pytest.mark.parametrize("name", ["softcap"])
@@ -102,7 +107,8 @@ def test_fused_dq_takes_the_variant_hooks(name):
     off = offsets(LENGTHS)
     params = variant_params(name, heads[0])
     assert_matches(*run_kernels(variant, q, k, v, dout, off, causal=False, params=params, dq_strategy=DQ_SPLIT.value),
-                   *reference_of(variant, q, k, v, dout, off, causal=False, params=params))
+                   *reference_of(variant, q, k, v, dout, off, causal=False, params=params),
+                   same_dtype_grads_of(variant, q, k, v, dout, off, causal=False, params=params))
 
 
 # ---- block skipping: a block mask that rules out blocks holding visible pairs ------------------------
@@ -142,7 +148,8 @@ def test_a_block_mask_skips_the_blocks_it_rules_out():
     with pytest.raises(ValueError, match="rules out"):
         WRONG_BLOCK_MASK.check_block_mask(300, 300, params=params)
     out, lse, grads = run_kernels(WRONG_BLOCK_MASK, q, k, v, dout, off, causal=False, params=params)
-    assert_matches(out, lse, grads, *reference_of(KEYS_FROM, q, k, v, dout, off, causal=False, params=params))
+    assert_matches(out, lse, grads, *reference_of(KEYS_FROM, q, k, v, dout, off, causal=False, params=params),
+                   same_dtype_grads_of(KEYS_FROM, q, k, v, dout, off, causal=False, params=params))
     wrong_ref = WRONG_BLOCK_MASK.reference(q, k, v, off, off, params=params)
     assert not torch.allclose(out.float(), wrong_ref, **specs.FWD_TOL)
     starts = off[:-1].repeat_interleave(torch.tensor(lengths, device=DEVICE))
@@ -187,4 +194,5 @@ def test_a_notebook_variant_runs_through_its_public_call():
         out, lse = TEMPERATURE_LOOKBACK(*leaves, off, off, causal=True, params=params, return_lse=True)
         grads = torch.autograd.grad(out, leaves, dout)
     assert_matches(out, lse, grads, *reference_of(TEMPERATURE_LOOKBACK, q, k, v, dout, off, causal=True,
-                                                  params=params))
+                                                  params=params),
+                   same_dtype_grads_of(TEMPERATURE_LOOKBACK, q, k, v, dout, off, causal=True, params=params))
