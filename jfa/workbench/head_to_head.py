@@ -3,11 +3,14 @@
 Why: on the H200 the same kernel timed in one process moved by up to 13% between the first and a
 later measurement (clocks fall as the GPU heats). `jfa.workbench.bench` times each provider of a case
 once, one after the other, and rows re-measured in a later run (`--rerun`) were timed in another
-thermal state than the peers' rows. Here every case is timed in rounds, the provider
-order rotating per round (jfa, fa4, fa2 / fa4, fa2, jfa / fa2, jfa, fa4 / ...; with one peer that
-alternates), and each provider's median over the rounds is reported with the spread, with jfa's
-speedup over each peer and over the faster peer of each pass (the issues' "no shape slower than the
-faster of FA2 and FA4"). Timings, inputs, checks and FLOP counts are `jfa.workbench.bench`'s.
+thermal state than the peers' rows. Here every case is timed in rounds, the provider order rotating
+per round (jfa, fa4, fa2 / fa4, fa2, jfa / fa2, jfa, fa4 / ...; with one peer that alternates), and
+the forward's rounds all run before the forward+backward's: on the H200 a forward timed right after a
+forward+backward reads up to 6% slower than one timed after a forward, which would tie a forward's
+time to the order of the passes around it. Each provider's median over the rounds is reported with
+the spread, with jfa's speedup over each peer and over the faster peer of each pass (the issues' "no
+shape slower than the faster of FA2 and FA4"). Timings, inputs, checks and FLOP counts are
+`jfa.workbench.bench`'s.
 
     python -m jfa head-to-head OUT.json [--peer fa4[,fa2]] [--suites gem,pma,dense] [--rounds 3]
 """
@@ -57,11 +60,12 @@ def head_to_head(case: dict, peers, rounds: int, *, device="cuda", registry: dic
         if r.fwd_bwd is None:
             raise ValueError(f"{p} has no backward here ({r.no_backward}); head-to-head times both passes")
     times = {p: {"fwd": [], "fwd+bwd": []} for p in providers}
-    for r in range(rounds):
-        for provider in round_order(providers, r):
-            calls = ready[provider]
-            times[provider]["fwd"].append(timer(calls.fwd, []))
-            times[provider]["fwd+bwd"].append(timer(calls.fwd_bwd, calls.grads))
+    for pass_ in ("fwd", "fwd+bwd"):  # each pass its own rounds (module docstring)
+        for r in range(rounds):
+            for provider in round_order(providers, r):
+                calls = ready[provider]
+                fn, grads = (calls.fwd, []) if pass_ == "fwd" else (calls.fwd_bwd, calls.grads)
+                times[provider][pass_].append(timer(fn, grads))
     flops = {p: bench.case_flops(case, problems[0], p) for p in specs.BENCH_PASSES}
     result = dict(suite=case["suite"], case=case["case"], rounds=times, flops=flops,
                   checks=checks, providers={})

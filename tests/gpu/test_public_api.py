@@ -157,17 +157,18 @@ def _syncs(fn):
 
 def test_offsets_on_the_gpu_cost_one_sync_per_call():
     """Validation reads one small summary of both offsets; the kernels take the maxima it found, so
-    an eager forward and backward together sync once; CPU offsets need no sync at all. "Once" is what
-    one device-to-host read of a small tensor costs, as torch's sync debug mode counts it."""
+    an eager forward and backward together sync once; CPU offsets need no sync at all."""
     q, k, v, offsets, dout = _inputs(seed=torch.seed() % 2**31)
     kv_offsets = offsets.clone()
-    one_read = len(_syncs(lambda: offsets.tolist()))
-    assert one_read >= 1
+    # The first sync that torch's debug mode sees in a process reads as two (torch 2.11): one read
+    # goes first, outside the count, and the next must count one.
+    _syncs(lambda: offsets.tolist())
+    assert len(_syncs(lambda: offsets.tolist())) == 1
     syncs = _syncs(lambda: jfa.jagged.validate_jagged_attention(q, k, v, offsets, kv_offsets, causal=True))
-    assert len(syncs) == one_read, syncs
+    assert len(syncs) == 1, syncs
     cpu_offsets = offsets.cpu()
     syncs = _syncs(lambda: jfa.jagged.validate_jagged_attention(q, k, v, cpu_offsets, kv_offsets, causal=True))
-    assert len(syncs) == one_read, syncs
+    assert len(syncs) == 1, syncs
     assert _syncs(lambda: jfa.jagged.validate_jagged_attention(q, k, v, cpu_offsets, cpu_offsets.clone())) == []
 
     def step():
@@ -175,4 +176,4 @@ def test_offsets_on_the_gpu_cost_one_sync_per_call():
         torch.autograd.grad(out, (q, k, v), dout)
     step()  # compiles and caches outside the count
     syncs = _syncs(step)
-    assert len(syncs) == one_read, syncs
+    assert len(syncs) == 1, syncs
