@@ -165,3 +165,23 @@ def test_a_rebound_global_goes_back_through_triton(probe, monkeypatch):
     monkeypatch.setitem(globals(), "PROBE_WIDTH", tl.constexpr(8))
     cached[(1,)](*_args(), **CONFIG)
     assert len(through_triton) == 2 and len(compiled.launches) == 1
+
+
+@triton.jit
+def _hook():
+    pass
+
+
+def test_a_tuple_of_jit_functions_keys_by_identity(probe, monkeypatch):
+    """A fork (a tuple of jit functions) as a constexpr stands in the key for itself: the same tuple
+    shares a key, an equal but separate one does not (stricter than Triton, so it can only miss), and
+    hashing the key hashes no jit function."""
+    cached, _, _ = probe
+    fork = (_hook, None)
+    key = cached.key(0, _args(), dict(CONFIG, FLAG=fork))
+    assert key == cached.key(0, _args(), dict(CONFIG, FLAG=fork))
+    assert key != cached.key(0, _args(), dict(CONFIG, FLAG=(_hook, None)))
+    hashed = []
+    monkeypatch.setattr(type(_hook), "__hash__", lambda self: hashed.append(self) or 0)
+    hash(key)
+    assert not hashed

@@ -11,8 +11,8 @@ descriptors: the step would wait on the CPU, not on the GPU (docs/decisions.md, 
 specialization goes through Triton (which compiles or loads the kernel, then launches it), and the
 compiled kernel is kept under a key made of what Triton specializes on: each positional argument's
 `native_specialize_impl` (a pointer's dtype and 16-byte alignment, an integer equal to 1 or a
-multiple of 16, a descriptor's dtype and block shape), every keyword (constexprs, warps, stages),
-the device and the global knobs Triton reads. A later call with the same key launches the compiled
+multiple of 16, a descriptor's dtype and block shape), every keyword (constexprs, warps, stages;
+a fork's tuple of hooks by identity), the device and the global knobs Triton reads. A later call with the same key launches the compiled
 kernel directly, unless a module global the kernel reads has been rebound since: Triton checks that
 on every launch (and refuses a changed value), so such a call goes back through Triton. The key
 never says less than Triton's own (it keeps the whole specialization of every argument), so it can
@@ -31,6 +31,30 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.driver import driver
 
 _UNBOUND = object()  # a global name with no binding
+
+
+class _ByIdentity:
+    """A constexpr that is a tuple of jit functions (a fork's hooks), standing in the key for itself by
+    identity: hashing the tuple hashes every jit function in it (a lock and a property each), which
+    costs more than the rest of the key. Identity is stricter than equality, so it can only miss."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value  # held, so its id is not reused while the key exists
+
+    def __hash__(self):
+        return id(self.value)
+
+    def __eq__(self, other):
+        return isinstance(other, _ByIdentity) and other.value is self.value
+
+
+def _constexpr_fact(value):
+    """A constexpr's part of the key: the value, or `_ByIdentity` for a tuple holding jit functions."""
+    if isinstance(value, tuple) and any(isinstance(item, triton.runtime.JITFunction) for item in value):
+        return _ByIdentity(value)
+    return value
 
 
 class CachedLaunch:
@@ -57,10 +81,12 @@ class CachedLaunch:
     def key(self, device: int, args: tuple, config: dict) -> tuple:
         """What the compiled kernel depends on, for these arguments on `device`."""
         backend = self._backend(device)
-        facts = [("constexpr", arg) if constexpr else native_specialize_impl(backend, arg, const, specialize, align)
+        facts = [("constexpr", _constexpr_fact(arg)) if constexpr
+                 else native_specialize_impl(backend, arg, const, specialize, align)
                  for (constexpr, const, specialize, align), arg in zip(self._flags, args)]
         stages_hook = knobs.runtime.add_stages_inspection_hook
-        return (device, tuple(facts), tuple(config.items()), knobs.runtime.debug,
+        keywords = tuple((name, _constexpr_fact(value)) for name, value in config.items())
+        return (device, tuple(facts), keywords, knobs.runtime.debug,
                 knobs.compilation.instrumentation_mode, None if stages_hook is None else stages_hook()[1])
 
     def launch(self, grid: tuple, args: tuple, config: dict):
