@@ -11,7 +11,7 @@ Every case draws fresh random inputs, takes O and LSE from the fp32 reference fo
 backward is under test), and hands the runner NaN-poisoned dq/dk/dv views into larger buffers: a
 row the kernels forgot stays NaN and fails, and the guard rows around each view must still be NaN
 afterwards (nothing written outside the packed tensors). Every element is compared with the
-reference (`specs.GRAD_TOL`, or the bound of `assert_grad_close` for the rare element past it), and
+reference (`specs.GRAD_TOL`, or the bound of `assert_grads_close` for the rare element past it), and
 the norm of the error too (`specs.GRAD_RELERR`). Lengths
 63/65/127/129 put the next sequence's rows inside a TMA tile, so a missing mask shows up as a wrong
 gradient next door.
@@ -21,7 +21,7 @@ import torch
 
 from jfa import configs, reference, runner, specs
 from jfa.kernels.bwd_dkdv import DQ_HANDOFF, DQ_NONE, DQ_RESIDENT, DQ_SPLIT
-from tests.gpu.test_jagged_fwd import (DEVICE, EDGE_LENGTHS, assert_grad_close, assert_guards_untouched, offsets,
+from tests.gpu.test_jagged_fwd import (DEVICE, EDGE_LENGTHS, assert_grads_close, assert_guards_untouched, offsets,
                                        poisoned, random_lengths)
 
 pytestmark = pytest.mark.gpu
@@ -66,13 +66,6 @@ def run_backward(q, k, v, dout, out, lse, q_off, kv_off, max_q, max_kv, *, causa
     return grads
 
 
-def assert_grads_match(grads, ref, same_dtype_ref):
-    """`assert_grad_close` for dq, dk and dv; `same_dtype_ref()` gives the reference's gradients in the
-    kernels' dtype."""
-    for i, (name, got, want) in enumerate(zip(("dq", "dk", "dv"), grads, ref)):
-        assert_grad_close(name, got, want, lambda i=i: same_dtype_ref()[i])
-
-
 def configured_strategy(q, k, kv_off, max_q, max_kv, causal, window, broadcast_q, deterministic):
     return configs.dq_strategy(runner.call_shape(q, k, kv_off, max_q, max_kv, causal, window, broadcast_q,
                                                  deterministic=deterministic))
@@ -94,7 +87,7 @@ def check_case(q_lens, kv_lens, *, heads=(4, 4), head_dim=128, dtype=torch.bfloa
     out, lse, ref = reference_grads(q, k, v, dout, q_off, kv_off, **mask)
     runs = [run_backward(q, k, v, dout, out.to(dtype), lse, q_off, kv_off, max_q, max_kv, deterministic=deterministic,
                          dq_strategy=dq_strategy, **mask) for _ in range(repeats)]
-    assert_grads_match(runs[0], ref, lambda: reference_grads(q, k, v, dout, q_off, kv_off, upcast=False, **mask)[2])
+    assert_grads_close(runs[0], ref, lambda: reference_grads(q, k, v, dout, q_off, kv_off, upcast=False, **mask)[2])
     for again in runs[1:]:
         for name, a, b in zip(("dq", "dk", "dv"), runs[0], again):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{name}: not bitwise identical"

@@ -18,7 +18,7 @@ import jfa
 from jfa import reference, runner, specs, variants
 from jfa.kernels.bwd_dkdv import DQ_SPLIT
 from jfa.variants import ALIBI, GLOBAL_TOKENS, SOFTCAP, alibi_slopes
-from tests.gpu.test_jagged_fwd import DEVICE, assert_grad_close, assert_guards_untouched, offsets, poisoned, random_inputs
+from tests.gpu.test_jagged_fwd import DEVICE, assert_grads_close, assert_guards_untouched, offsets, poisoned, random_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -70,15 +70,14 @@ def run_kernels(variant, q, k, v, dout, off, *, causal, params, dq_strategy=None
 
 
 def assert_matches(out, lse, grads, ref_out, ref_lse, ref_grads, same_dtype_grads):
-    """Every element of out and lse within specs' tolerances, the gradients by `assert_grad_close`
+    """Every element of out and lse within specs' tolerances, the gradients by `assert_grads_close`
     (`same_dtype_grads()`: the reference's in the kernels' dtype); nothing left NaN."""
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "rows left unwritten (still NaN)"
     relerr = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-6)).item()
     assert relerr <= specs.FWD_RELERR, f"out: relative error {relerr:.2e}"
     torch.testing.assert_close(out.float(), ref_out, **specs.FWD_TOL)
     torch.testing.assert_close(lse, ref_lse, **specs.FWD_TOL)
-    for i, (name, got, want) in enumerate(zip(("dq", "dk", "dv"), grads, ref_grads)):
-        assert_grad_close(name, got, want, lambda i=i: same_dtype_grads()[i])
+    assert_grads_close(grads, ref_grads, same_dtype_grads)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
